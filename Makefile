@@ -25,7 +25,11 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(PY) examples/demo.py
 
+# Triton kernels are checked against their torch twins under Triton's CPU
+# interpreter in a separate process (TRITON_INTERPRET must be set before triton
+# is imported, and vLLM engines must not run under it).
 test: $(STAMP)
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -ra tests/ops
 	$(PY) -m pytest -q -ra
 
 # Rebuild the bundled tiny pair (about 25 minutes on 2 CPU cores).

@@ -24,6 +24,16 @@ def _flag(name: str, default: bool) -> Callable[[], bool]:
     return read
 
 
+def _choice(name: str, default: str, choices: tuple[str, ...]) -> Callable[[], str]:
+    def read() -> str:
+        value = os.environ.get(name, "").strip().lower() or default
+        if value not in choices:
+            raise ValueError(f"{name}={value!r} is not one of {', '.join(choices)}.")
+        return value
+
+    return read
+
+
 # name -> (reader, one-line documentation shown in the README)
 ENV_VARS: dict[str, tuple[Callable[[], Any], str]] = {
     "VLLM_DSPARK_ENABLED": (
@@ -34,6 +44,11 @@ ENV_VARS: dict[str, tuple[Callable[[], Any], str]] = {
     "VLLM_DSPARK_SKIP_VERSION_CHECK": (
         _flag("VLLM_DSPARK_SKIP_VERSION_CHECK", False),
         "Set to 1 to run against a vLLM other than the pinned one (unsupported).",
+    ),
+    "VLLM_DSPARK_OPS": (
+        _choice("VLLM_DSPARK_OPS", "auto", ("auto", "triton", "reference")),
+        "Kernel choice: auto (Triton on CUDA tensors, torch twin elsewhere), "
+        "triton, or reference (always the torch twin).",
     ),
 }
 

@@ -1,0 +1,29 @@
+"""Ops with a Triton kernel and a torch twin of the same signature.
+
+The dispatcher runs the kernel on CUDA tensors and the twin elsewhere (CPU has
+no Triton backend); VLLM_DSPARK_OPS=triton|reference forces one side.
+"""
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+
+def use_triton(t: "torch.Tensor") -> bool:
+    from vllm_dspark import envs
+
+    mode = envs.VLLM_DSPARK_OPS
+    if mode != "auto":
+        return mode == "triton"
+    return t.is_cuda
+
+
+def confidence_cutoff(conf: "torch.Tensor", threshold: float, max_len: "torch.Tensor") -> "torch.Tensor":
+    """Per-request verify length: the longest prefix with cumulative confidence
+    >= threshold, capped by max_len. See ops.reference.confidence_cutoff."""
+    if use_triton(conf):
+        from vllm_dspark.ops.cutoff import confidence_cutoff as impl
+    else:
+        from vllm_dspark.ops.reference import confidence_cutoff as impl
+    return impl(conf, threshold, max_len)

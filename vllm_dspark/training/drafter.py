@@ -149,6 +149,14 @@ class DSparkDrafter(nn.Module):
         for p in (self.embed_tokens.weight, self.lm_head.weight):
             p.requires_grad_(False)
 
+    def init_layers_from_target(self, target) -> None:
+        """Start each draft layer from one of the target's top layers (same
+        shapes and parameter names): a warm start for the backbone."""
+        top = target.model.layers[-len(self.layers):]
+        for mine, theirs in zip(self.layers, top):
+            missing, unexpected = mine.load_state_dict(theirs.state_dict(), strict=False)
+            assert not unexpected and all("rotary" in m for m in missing), (missing, unexpected)
+
     def backbone(self, ctx_feats, ctx_pos, block_ids, block_pos, mask):
         """Parallel pass. ctx_feats [B,S,n*Ht], ctx_pos [B,S], block_ids/pos [B,Q],
         mask [B,Q,S+Q] bool (True = may attend). Returns normed states [B,Q,H]."""

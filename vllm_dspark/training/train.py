@@ -45,14 +45,16 @@ class TrainSettings:
     block_size: int = 7
     target_layer_ids: tuple[int, ...] = (0, 1, 2)
     markov_rank: int = 32
-    draft_steps: int = 1800
+    draft_steps: int = 3600
     draft_batch: int = 8
     anchors: int = 32
-    draft_lr: float = 2e-3
+    draft_lr: float = 3e-3
     # Fraction of drafter batches drawn from the target's own sampled
     # continuations: the drafter then sees the text it will be asked to draft.
     self_distill_frac: float = 0.5
     self_distill_seqs: int = 1024
+    # 1: start the draft layers from the target's top layers.
+    init_from_target: int = 1
     target_name: str = "tiny-qwen3"
     drafter_name: str = "tiny-qwen3-dspark"
 
@@ -257,6 +259,8 @@ def train_drafter(s: TrainSettings, target, tokenizer, stream, distill, gen):
     torch.manual_seed(s.seed + 1)
     drafter = DSparkDrafter(cfg)
     drafter.copy_frozen_from_target(target)
+    if s.init_from_target:
+        drafter.init_layers_from_target(target)
     for p in target.parameters():
         p.requires_grad_(False)
     params = [p for p in drafter.parameters() if p.requires_grad]

@@ -1,0 +1,78 @@
+"""Pure-torch twins of the Triton ops in this package.
+
+Each twin has the same signature and output dtype as its kernel and is what
+runs on CPU. They are written for clarity; the tests hold the kernels to them.
+"""
+
+import torch
+
+# Residual mass below this is numerical noise (p == q): fall back to p.
+RESIDUAL_EPS = 1e-8
+
+
+def confidence_cutoff(
+    conf: torch.Tensor,  # [R, K] float32, per-position conditional confidence
+    threshold: float,
+    max_len: torch.Tensor,  # [R] int32, per-request cap (0..K)
+) -> torch.Tensor:  # [R] int32
+    """Longest prefix whose cumulative confidence prod(c_1..c_j) >= threshold.
+
+    Non-anticipating: whether position j is kept depends on c_1..c_j only, and
+    c_j is computed from tokens before position j. The product runs left to
+    right in float32, the same order as the kernel, so the two agree exactly.
+    Confidences are clamped to [0, 1]; NaN counts as 0.
+    """
+    c = torch.nan_to_num(conf.float(), nan=0.0).clamp(0.0, 1.0)
+    acc = torch.ones(c.shape[0], dtype=torch.float32, device=c.device)
+    length = torch.zeros(c.shape[0], dtype=torch.int32, device=c.device)
+    for j in range(c.shape[1]):
+        acc = acc * c[:, j]
+        length += ((acc >= threshold) & (j < max_len)).to(torch.int32)
+    return length
+
+
+def rejection_accept(
+    target_p: torch.Tensor,  # [T] float32, target prob of each draft token (random rows)
+    draft_q: torch.Tensor,  # [T] float32, draft prob of each draft token (1.0 = one-hot)
+    draft_ids: torch.Tensor,  # [T] int64
+    target_argmax: torch.Tensor,  # [T] int64
+    uniforms: torch.Tensor,  # [T] float32 in [0, 1)
+    cu_num_draft: torch.Tensor,  # [B] int32, cumulative draft counts (end offsets)
+    is_greedy: torch.Tensor,  # [B] bool
+) -> torch.Tensor:  # [B] int32, accepted prefix length per request
+    """Accepted prefix per request. Greedy rows accept while the draft equals
+    the target argmax; random rows accept token t iff u_t * q_t(x) < p_t(x),
+    i.e. with probability min(1, p/q) (Leviathan et al. 2023)."""
+    num_reqs = cu_num_draft.shape[0]
+    ends = cu_num_draft.long()
+    counts = torch.diff(ends, prepend=ends.new_zeros(1))
+    req_of = torch.repeat_interleave(torch.arange(num_reqs, device=draft_ids.device), counts)
+    local = torch.arange(draft_ids.shape[0], device=draft_ids.device) - (ends - counts)[req_of]
+    greedy_ok = draft_ids == target_argmax
+    random_ok = uniforms * draft_q < target_p
+    ok = torch.where(is_greedy[req_of], greedy_ok, random_ok)
+    # accepted length = index of the first failing draft (or the count if none)
+    fail_at = torch.where(ok, counts[req_of], local)
+    return counts.scatter_reduce(0, req_of, fail_at, reduce="amin").to(torch.int32)
+
+
+def sample_recovered(
+    target_probs: torch.Tensor,  # [N, V] float32, rows where a draft was rejected
+    draft_probs: torch.Tensor | None,  # [N, V] float32, or None for one-hot drafts
+    draft_ids: torch.Tensor,  # [N] int64, the rejected draft tokens
+    uniforms: torch.Tensor,  # [N] float32 in [0, 1)
+) -> torch.Tensor:  # [N] int64
+    """Sample from the residual max(p - q, 0) (renormalised) by inverse CDF with
+    one uniform per row; if the residual has no mass, sample from p."""
+    if draft_probs is None:
+        q = torch.zeros_like(target_probs)
+        q.scatter_(1, draft_ids[:, None], 1.0)
+    else:
+        q = draft_probs
+    residual = (target_probs - q).clamp(min=0.0)
+    mass = residual.sum(dim=1, keepdim=True)
+    weights = torch.where(mass > RESIDUAL_EPS, residual, target_probs)
+    cdf = weights.cumsum(dim=1)
+    point = uniforms[:, None] * cdf[:, -1:]
+    idx = torch.searchsorted(cdf, point, right=True).squeeze(1)
+    return idx.clamp(max=target_probs.shape[1] - 1)
