@@ -32,6 +32,11 @@ def register() -> None:
             version = installed_vllm_version()
         else:
             version = check_vllm_version()
+        from vllm_dspark.compat.ledger import check_hooks
+        from vllm_dspark.compat.patches import apply_config_patches
+
+        check_hooks("config")
+        apply_config_patches()
         _state.update(registered=True, vllm_version=version, pid=os.getpid())
         _logger().info(
             "vllm_dspark registered in pid %d (vLLM %s).", os.getpid(), version

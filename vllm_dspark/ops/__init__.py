@@ -27,3 +27,21 @@ def confidence_cutoff(conf: "torch.Tensor", threshold: float, max_len: "torch.Te
     else:
         from vllm_dspark.ops.reference import confidence_cutoff as impl
     return impl(conf, threshold, max_len)
+
+
+def rejection_accept(target_p, draft_q, draft_ids, target_argmax, uniforms, cu_num_draft, is_greedy):
+    """[B] accepted prefix lengths. See ops.reference.rejection_accept."""
+    if use_triton(draft_ids):
+        from vllm_dspark.ops.rejection import rejection_accept as impl
+    else:
+        from vllm_dspark.ops.reference import rejection_accept as impl
+    return impl(target_p, draft_q, draft_ids, target_argmax, uniforms, cu_num_draft, is_greedy)
+
+
+def sample_recovered(target_probs, draft_probs, draft_ids, uniforms):
+    """[N] tokens drawn from the residual. See ops.reference.sample_recovered."""
+    if use_triton(target_probs):
+        from vllm_dspark.ops.rejection import sample_recovered as impl
+    else:
+        from vllm_dspark.ops.reference import sample_recovered as impl
+    return impl(target_probs, draft_probs, draft_ids, uniforms)

@@ -71,8 +71,12 @@ def sample_recovered(
         q = draft_probs
     residual = (target_probs - q).clamp(min=0.0)
     mass = residual.sum(dim=1, keepdim=True)
-    weights = torch.where(mass > RESIDUAL_EPS, residual, target_probs)
+    return inverse_cdf_sample(torch.where(mass > RESIDUAL_EPS, residual, target_probs), uniforms)
+
+
+def inverse_cdf_sample(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """One draw per row from unnormalised non-negative weights [N, V]; a
+    zero-weight entry is never picked (strict comparison on the CDF)."""
     cdf = weights.cumsum(dim=1)
-    point = uniforms[:, None] * cdf[:, -1:]
-    idx = torch.searchsorted(cdf, point, right=True).squeeze(1)
-    return idx.clamp(max=target_probs.shape[1] - 1)
+    idx = torch.searchsorted(cdf, uniforms[:, None] * cdf[:, -1:], right=True).squeeze(1)
+    return idx.clamp(max=weights.shape[1] - 1)

@@ -1,0 +1,1 @@
+"""Everything vllm_dspark touches inside vLLM: the ledger and the patches."""

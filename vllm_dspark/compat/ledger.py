@@ -1,0 +1,183 @@
+"""The ledger: every vLLM internal vllm_dspark wraps, subclasses, rebinds or
+relies on, why, and when it can go. :func:`check_hooks` runs at start-up
+(plugin registration) and fails with one message listing every drift from
+the pinned vLLM, instead of failing mid-decode.
+"""
+
+import importlib
+import inspect
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Hook:
+    symbol: str  # dotted path: module[.Class].attribute
+    kind: str  # "wrap" | "subclass" | "rebind" | "call"
+    why: str
+    replaces: str
+    remove_when: str
+    params: tuple[str, ...] | None = None  # expected leading parameter names (callables)
+    # Where it is checked: "config" in every process at registration; the others
+    # when the worker side loads (importing vLLM's worker modules in the front
+    # end would, on CPU, patch torch.cuda there).
+    scope: str = "worker"
+
+
+_UPSTREAM = "vLLM's V1 runner gains DSpark drafting and variable-length verification"
+
+LEDGER: tuple[Hook, ...] = (
+    Hook(
+        "vllm.config.speculative.SpeculativeConfig.__post_init__", "wrap",
+        "Check a dspark drafter path and checkpoint before vLLM rewrites an "
+        "unknown architecture to DeepSeek-V4 DSpark, and check it against the target.",
+        "nothing (vLLM's own post-init runs unchanged in between)",
+        "vLLM validates DSpark checkpoints itself", ("self",),
+        scope="config",
+    ),
+    Hook(
+        "vllm.config.vllm.VllmConfig.__post_init__", "wrap",
+        "Validate additional_config['dspark'], keep scheduling synchronous and "
+        "point worker_cls at the DSpark worker for method='dspark'.",
+        "nothing (runs before and after vLLM's post-init)", _UPSTREAM, ("self",),
+        scope="config",
+    ),
+    Hook(
+        "vllm.config.vllm.VllmConfig._get_v1_model_runner_unsupported_features", "wrap",
+        "vLLM lists 'dspark speculative decoding' as unsupported on the V1 runner; "
+        "vllm_dspark supports it there.",
+        "the list minus that one entry", _UPSTREAM, ("self",),
+        scope="config",
+    ),
+    Hook(
+        "vllm.config.vllm.VllmConfig._get_v2_model_runner_unsupported_features", "wrap",
+        "Route dspark to the V1 runner (where vllm_dspark runs) unless the user "
+        "asks for the V2 runner with VLLM_USE_V2_MODEL_RUNNER=1 (in-tree DSpark).",
+        "the list plus one entry", _UPSTREAM, ("self",),
+        scope="config",
+    ),
+    Hook(
+        "vllm.v1.worker.cpu_worker.CPUWorker", "subclass",
+        "DSparkCPUWorker builds the DSpark model runner.", "init_device (calls super)",
+        _UPSTREAM, None, scope="cpu_worker",
+    ),
+    Hook(
+        "vllm.v1.worker.cpu_worker.CPUModelRunner", "rebind",
+        "Module global that CPUWorker.init_device instantiates; rebound to the DSpark "
+        "runner only while DSparkCPUWorker.init_device runs.", "the runner class",
+        _UPSTREAM, ("vllm_config", "device"), scope="cpu_worker",
+    ),
+    Hook(
+        "vllm.v1.worker.gpu_worker.Worker._make_model_runner", "subclass",
+        "DSparkGPUWorker builds the DSpark model runner (CUDA, V1 runner).",
+        "the V1 branch of the method", _UPSTREAM, ("self",), scope="gpu_worker",
+    ),
+    Hook(
+        "vllm.v1.worker.gpu_model_runner.EagleProposer", "rebind",
+        "The V1 runner builds an EagleProposer for method='dspark' (use_eagle() is "
+        "true); rebound to DSparkProposer only while the DSpark runner's __init__ runs.",
+        "the drafter class", _UPSTREAM, ("vllm_config", "device", "runner"),
+    ),
+    Hook(
+        "vllm.v1.worker.gpu_model_runner.GPUModelRunner.propose_draft_token_ids", "subclass",
+        "Cut each request's block to its verify length and hand the scheduler "
+        "variable-length draft lists.", "nothing (calls super, then truncates)", _UPSTREAM,
+        ("self", "scheduler_output", "sampled_token_ids", "sampling_metadata", "hidden_states",
+         "sample_hidden_states", "aux_hidden_states", "spec_decode_metadata",
+         "common_attn_metadata", "slot_mappings"),
+    ),
+    Hook(
+        "vllm.v1.worker.gpu_model_runner.GPUModelRunner._get_eagle3_aux_layers_from_config",
+        "subclass",
+        "The V1 version ignores DSpark's top-level target_layer_ids and would tap "
+        "the target's default EAGLE3 layers.", "the method (delegates to the V2 helper below)",
+        _UPSTREAM, ("self",),
+    ),
+    Hook(
+        "vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils.get_eagle3_aux_layers_from_config",
+        "call", "Maps a DSpark checkpoint's target_layer_ids to the target's aux layers.",
+        "-", "-", ("spec_config",),
+    ),
+    Hook(
+        "vllm.v1.spec_decode.dflash.DFlashProposer", "subclass",
+        "DSparkProposer reuses the V1 DFlash machinery (context KV injection into the "
+        "draft KV cache, non-causal query block) and replaces sampling with the "
+        "Markov head and confidence head.", "propose", "never (intended extension)",
+        ("vllm_config", "device", "runner"),
+    ),
+    Hook(
+        "vllm.v1.spec_decode.dflash.DFlashProposer.set_inputs_first_pass", "call",
+        "Builds the [anchor, mask...] query block and its KV slots.", "-", "-",
+        ("self", "target_token_ids", "next_token_ids", "target_positions",
+         "target_hidden_states", "token_indices_to_sample", "cad", "num_rejected_tokens_gpu"),
+    ),
+    Hook(
+        "vllm.v1.spec_decode.dflash.DFlashProposer.build_model_inputs_first_pass", "call",
+        "Writes the context K/V into the draft KV cache.", "-", "-",
+        ("self", "num_tokens", "num_input_tokens", "mm_embed_inputs"),
+    ),
+    Hook(
+        "vllm.v1.spec_decode.llm_base_proposer.SpecDecodeBaseProposer.propose", "subclass",
+        "Overridden by DSparkProposer.propose with the same parameters.", "propose", "-",
+        ("self", "num_speculative_tokens", "target_token_ids", "target_positions",
+         "target_hidden_states", "next_token_ids", "token_indices_to_sample",
+         "common_attn_metadata", "sampling_metadata", "mm_embed_inputs",
+         "num_rejected_tokens_gpu", "slot_mappings"),
+    ),
+    Hook(
+        "vllm.model_executor.models.qwen3_dspark.Qwen3DSparkForCausalLM", "call",
+        "In-tree DSpark draft model: backbone, Markov head, confidence head, weight loading.",
+        "-", "-", None,
+    ),
+    Hook(
+        "vllm.v1.sample.rejection_sampler.RejectionSampler", "subclass",
+        "DSparkRejectionSampler: lossless variable-length verification (greedy and "
+        "sampled) with our own per-token sampling parameters, because the stock CPU "
+        "expand kernel corrupts per-token temperatures.", "forward",
+        "vLLM's CPU expand_batch_to_tokens is fixed", ("sampler", "spec_config", "device"),
+    ),
+    Hook(
+        "vllm.v1.sample.ops.topk_topp_sampler.apply_top_k_top_p", "call",
+        "Top-k/top-p masking applied identically to target and draft distributions.",
+        "-", "-", ("logits", "k", "p"),
+    ),
+)
+
+
+class VllmHookDrift(RuntimeError):
+    """The installed vLLM no longer has what vllm_dspark relies on."""
+
+
+def _resolve(symbol: str):
+    parts = symbol.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for attr in parts[i:]:
+            obj = getattr(obj, attr)
+        return obj
+    raise ImportError(symbol)
+
+
+def check_hooks(*scopes: str, ledger: tuple[Hook, ...] = LEDGER) -> None:
+    problems = []
+    for hook in (h for h in ledger if h.scope in scopes):
+        try:
+            obj = _resolve(hook.symbol)
+        except (ImportError, AttributeError) as e:
+            problems.append(f"{hook.symbol}: missing ({e})")
+            continue
+        if hook.params is None:
+            continue
+        try:  # a class's signature is its constructor's, without self
+            names = tuple(inspect.signature(obj).parameters)
+        except (TypeError, ValueError):
+            continue
+        if names[: len(hook.params)] != hook.params:
+            problems.append(f"{hook.symbol}: parameters {names} do not start with {hook.params}")
+    if problems:
+        raise VllmHookDrift(
+            "vllm_dspark does not match the installed vLLM:\n  - " + "\n  - ".join(problems)
+            + "\nInstall the pinned vLLM (see vllm_dspark/version.py) or set VLLM_DSPARK_ENABLED=0."
+        )

@@ -1,0 +1,159 @@
+"""The patches in the ledger (compat/ledger.py), applied idempotently.
+
+Config patches run in every process vLLM starts (the front end builds and
+validates the config). Worker-side changes are subclasses, installed through
+worker_cls, and the two module globals they rebind are rebound only for the
+duration of one constructor call.
+"""
+
+import contextlib
+import functools
+import os
+
+from vllm_dspark.config import (
+    DSparkConfigError,
+    parse_knobs,
+    read_checkpoint_config,
+    validate_drafter_checkpoint,
+)
+
+_MARK = "__vllm_dspark_wrapped__"
+DSPARK_V1_ONLY = "dspark speculative decoding"
+WORKERS = {
+    "vllm.v1.worker.cpu_worker.CPUWorker": "vllm_dspark.workers.cpu.DSparkCPUWorker",
+    "vllm.v1.worker.gpu_worker.Worker": "vllm_dspark.workers.gpu.DSparkGPUWorker",
+}
+
+
+@contextlib.contextmanager
+def rebound(module, name: str, value):
+    """Rebind ``module.name`` to ``value`` for the duration of the block."""
+    original = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, original)
+
+
+def _wrap(cls, name: str, make):
+    current = getattr(cls, name)
+    if getattr(current, _MARK, False):
+        return
+    wrapped = functools.wraps(current)(make(current))
+    setattr(wrapped, _MARK, True)
+    setattr(cls, name, wrapped)
+
+
+def dspark_active(spec) -> bool:
+    """method='dspark' served by this plugin (not vLLM's in-tree V2 DSpark)."""
+    if spec is None or getattr(spec, "method", None) != "dspark":
+        return False
+    from vllm import envs as vllm_envs
+
+    return vllm_envs.VLLM_USE_V2_MODEL_RUNNER is not True
+
+
+def _precheck_drafter(spec) -> None:
+    """Before vLLM reads the drafter: it must be a local DSpark folder, or a
+    hub id vLLM can fetch. vLLM would otherwise turn any other architecture
+    into a DeepSeek-V4 DSpark draft, or try the hub for a typo'd path."""
+    path = spec.model
+    if path is None:
+        raise DSparkConfigError(
+            "speculative_config.model is missing: vllm_dspark needs the path of a "
+            "DSpark drafter (e.g. examples/models/tiny-qwen3-dspark). For DeepSeek-V4's "
+            "built-in DSpark use vLLM's in-tree runner (VLLM_USE_V2_MODEL_RUNNER=1, GPU)."
+        )
+    looks_like_hub_id = path.count("/") == 1 and not path.startswith((".", "/", "~"))
+    if looks_like_hub_id and not os.path.exists(path):
+        return
+    archs = read_checkpoint_config(path).get("architectures") or []
+    if "Qwen3DSparkModel" not in archs:
+        raise DSparkConfigError(
+            f"speculative_config.model={path!r} is not a DSpark checkpoint: its config.json "
+            f"has architectures={archs}, expected ['Qwen3DSparkModel']. Point `model` at a "
+            "DSpark drafter folder (e.g. examples/models/tiny-qwen3-dspark)."
+        )
+
+
+def _spec_post_init(original):
+    def __post_init__(self):
+        active = dspark_active(self)
+        if active:
+            _precheck_drafter(self)
+        original(self)
+        if active and dspark_active(self):
+            target = self.target_model_config.hf_text_config
+            validate_drafter_checkpoint(
+                self.draft_model_config.hf_config,
+                path=self.model,
+                target_vocab_size=target.vocab_size,
+                target_hidden_size=target.hidden_size,
+                target_num_layers=target.num_hidden_layers,
+                num_speculative_tokens=self.num_speculative_tokens,
+            )
+
+    return __post_init__
+
+
+def _vllm_post_init(original):
+    def __post_init__(self):
+        if dspark_active(self.speculative_config):
+            parse_knobs(self.additional_config)
+            _route_worker(self.parallel_config)
+            if self.scheduler_config.async_scheduling:
+                raise DSparkConfigError(
+                    "async_scheduling=True is not supported with method='dspark' "
+                    "(verify lengths are decided per step); drop --async-scheduling."
+                )
+            self.scheduler_config.async_scheduling = False
+        original(self)
+
+    return __post_init__
+
+
+def _route_worker(parallel_config) -> None:
+    from vllm.platforms import current_platform
+
+    if parallel_config.worker_cls == "auto":
+        default = ("vllm.v1.worker.cpu_worker.CPUWorker" if current_platform.is_cpu()
+                   else "vllm.v1.worker.gpu_worker.Worker")
+        parallel_config.worker_cls = WORKERS[default]
+    elif parallel_config.worker_cls not in WORKERS.values():
+        raise DSparkConfigError(
+            f"worker_cls={parallel_config.worker_cls!r} cannot run method='dspark': "
+            f"vllm_dspark needs its own worker ({', '.join(WORKERS.values())}). "
+            "Leave worker_cls unset."
+        )
+
+
+def _v1_unsupported(original):
+    def _get_v1_model_runner_unsupported_features(self):
+        found = original(self)
+        if dspark_active(self.speculative_config):
+            found = [f for f in found if f != DSPARK_V1_ONLY]
+        return found
+
+    return _get_v1_model_runner_unsupported_features
+
+
+def _v2_unsupported(original):
+    def _get_v2_model_runner_unsupported_features(self):
+        found = original(self)
+        if dspark_active(self.speculative_config):
+            found = [*found, "dspark through vllm_dspark (set VLLM_USE_V2_MODEL_RUNNER=1 "
+                     "for vLLM's in-tree DSpark)"]
+        return found
+
+    return _get_v2_model_runner_unsupported_features
+
+
+def apply_config_patches() -> None:
+    from vllm.config.speculative import SpeculativeConfig
+    from vllm.config.vllm import VllmConfig
+
+    _wrap(SpeculativeConfig, "__post_init__", _spec_post_init)
+    _wrap(VllmConfig, "__post_init__", _vllm_post_init)
+    _wrap(VllmConfig, "_get_v1_model_runner_unsupported_features", _v1_unsupported)
+    _wrap(VllmConfig, "_get_v2_model_runner_unsupported_features", _v2_unsupported)

@@ -1,0 +1,136 @@
+"""DSparkProposer: DSpark drafting on vLLM's V1 runner.
+
+The parallel stage is vLLM's V1 DFlash machinery, unchanged: target features
+are fused and written into the drafter's own KV cache as context, then one
+non-causal forward runs the query block. DFlash's block is
+``[bonus, mask x n]``; DSpark's is ``[anchor, mask x (K-1)]`` with every slot a
+prediction position (the anchor slot predicts the next token), so it is the
+DFlash block with n = K-1, sampled at all K slots.
+
+The sequential stage then walks the block left to right: Markov bias from the
+previous token, sample (argmax at temperature 0, else from the processed
+Markov-corrected distribution), and finally the confidence head scores each
+position from its hidden state and the previous token only, which keeps any
+cut-off decided from it non-anticipating.
+"""
+
+import copy
+
+import torch
+from vllm.forward_context import set_forward_context
+from vllm.logger import init_logger
+from vllm.v1.spec_decode.dflash import DFlashProposer
+
+from vllm_dspark.config import parse_knobs
+from vllm_dspark.sampling import RowParams, inverse_cdf_sample, processed_probs, row_uniforms
+
+logger = init_logger(__name__)
+
+
+def _as_method(vllm_config, method: str):
+    """A shallow view of ``vllm_config`` whose speculative method reads ``method``."""
+    spec = copy.copy(vllm_config.speculative_config)
+    object.__setattr__(spec, "method", method)
+    view = copy.copy(vllm_config)
+    object.__setattr__(view, "speculative_config", spec)
+    return view
+
+
+class DSparkProposer(DFlashProposer):
+    def __init__(self, vllm_config, device: torch.device, runner=None):
+        # DFlashProposer.__init__ asserts method == "dflash"; its machinery is
+        # exactly what DSpark's parallel stage needs, so build it from a view
+        # that says "dflash" and keep the real config afterwards. self.method
+        # stays "dflash" on purpose: the base class keys DFlash behaviour on it.
+        super().__init__(_as_method(vllm_config, "dflash"), device, runner)
+        self.vllm_config = vllm_config
+        self.speculative_config = vllm_config.speculative_config
+        self.block_len = self.speculative_config.num_speculative_tokens  # K
+        self.num_speculative_tokens = self.block_len - 1  # masks after the anchor
+        self.knobs = parse_knobs(vllm_config.additional_config)
+        self.last_confidence: torch.Tensor | None = None  # [B, K], this step's block
+
+    def propose(
+        self,
+        num_speculative_tokens,
+        target_token_ids: torch.Tensor,
+        target_positions: torch.Tensor,
+        target_hidden_states: torch.Tensor,
+        next_token_ids: torch.Tensor,
+        token_indices_to_sample: torch.Tensor | None,
+        common_attn_metadata,
+        sampling_metadata,
+        mm_embed_inputs=None,
+        num_rejected_tokens_gpu: torch.Tensor | None = None,
+        slot_mappings=None,
+    ) -> torch.Tensor:
+        """Draft one block of K tokens per request: [B, K] token ids.
+
+        The draft probabilities (for sampled requests) and the confidences are
+        kept on the proposer for the runner to pick up."""
+        k = self.block_len
+        self.num_speculative_tokens = k - 1
+        self._last_draft_probs = None
+        batch = common_attn_metadata.batch_size()
+        context = self.model.combine_hidden_states(target_hidden_states)
+        num_tokens, _, cad = self.set_inputs_first_pass(
+            target_token_ids=target_token_ids,
+            next_token_ids=next_token_ids,
+            target_positions=target_positions,
+            target_hidden_states=context,
+            token_indices_to_sample=None,
+            cad=common_attn_metadata,
+            num_rejected_tokens_gpu=num_rejected_tokens_gpu,
+        )
+        _, per_layer = self.build_per_group_and_layer_attn_metadata(cad)
+        mode, num_input, across_dp = self._determine_batch_execution_and_padding(num_tokens)
+        inputs, slot_size = self.build_model_inputs_first_pass(num_tokens, num_input, None)
+        with set_forward_context(
+            per_layer,
+            self.vllm_config,
+            num_tokens=num_input,
+            num_tokens_across_dp=across_dp,
+            cudagraph_runtime_mode=mode,
+            slot_mapping=self._get_slot_mapping(slot_size, cad.slot_mapping),
+        ):
+            hidden = self.model(**inputs)
+        # The query rows are request-major: K consecutive rows per request.
+        hidden = hidden[: batch * k].view(batch, k, -1)
+        tokens, probs, conf = self._sample_block(hidden, next_token_ids[:batch].long(), sampling_metadata)
+        self._last_draft_probs = probs
+        self.last_confidence = conf
+        return tokens
+
+    @torch.inference_mode()
+    def _sample_block(self, hidden: torch.Tensor, anchors: torch.Tensor, sampling_metadata):
+        """Markov head left to right, then the confidence head.
+
+        hidden [B, K, H]; anchors [B]. Returns tokens [B, K] int64, draft
+        probabilities [B, K, V] float32 (None if every request is greedy) and
+        confidences [B, K] float32."""
+        batch, k, h = hidden.shape
+        base = self.model.compute_draft_logits(hidden.reshape(batch * k, h)).view(batch, k, -1)
+        params = RowParams.from_metadata(sampling_metadata, batch, hidden.device)
+        sampled = params.any_random
+        prev = anchors
+        tokens, probs, embeds = [], [], []
+        uniforms = (
+            row_uniforms([k] * batch, sampling_metadata.generators, hidden.device).view(batch, k)
+            if sampled else None
+        )
+        for i in range(k):
+            embed = self.model.markov_embed(prev)
+            logits = base[:, i].float() + self.model.markov_bias(embed).float()
+            token = logits.argmax(dim=-1)
+            if sampled:
+                q = processed_probs(logits, params)
+                token = torch.where(params.is_greedy, token, inverse_cdf_sample(q, uniforms[:, i]))
+                probs.append(q)
+            tokens.append(token)
+            embeds.append(embed)
+            prev = token
+        conf = self.model.compute_confidence(
+            hidden.reshape(batch * k, h), torch.stack(embeds, dim=1).reshape(batch * k, -1)
+        ).view(batch, k).float()
+        draft_probs = torch.stack(probs, dim=1) if sampled else None
+        return torch.stack(tokens, dim=1), draft_probs, conf

@@ -1,0 +1,114 @@
+"""DSparkRejectionSampler: lossless verification of variable-length drafts.
+
+Subclasses vLLM's V1 RejectionSampler and keeps its bonus-token sampling
+(vLLM's Sampler: penalties, seeds, top-k/top-p/min-p), its logits processors
+for the draft positions and its logprobs. What it replaces is the per-token
+part: sampling parameters are expanded in torch (sampling.py) instead of
+through vLLM's CPU expand kernel, min-p is applied (the stock V1 verifier
+skips it), and acceptance and recovery go through this package's ops.
+
+Per request r with n_r drafts x_1..x_n (n_r may be 0..K, different per row):
+  * greedy: accept while x_i equals the target argmax; at the first mismatch
+    emit the argmax; if all pass, emit the bonus token;
+  * sampled: accept x_i with probability min(1, p_i(x_i)/q_i(x_i)); at the
+    first rejection emit a token drawn from norm(max(p_i - q_i, 0)); if all
+    pass, emit the bonus token drawn from p_{n+1}.
+Seeded requests draw every uniform from their own generator.
+"""
+
+from dataclasses import replace
+
+import torch
+from vllm.v1.outputs import SamplerOutput
+from vllm.v1.sample.rejection_sampler import PLACEHOLDER_TOKEN_ID, RejectionSampler
+
+from vllm_dspark import ops
+from vllm_dspark.sampling import RowParams, processed_probs, row_uniforms
+
+
+class DSparkRejectionSampler(RejectionSampler):
+    def forward(self, metadata, draft_probs, logits, sampling_metadata) -> SamplerOutput:
+        counts = list(metadata.num_draft_tokens)
+        num_reqs = len(counts)
+        device = logits.device
+        bonus_out = self.sampler(
+            logits=logits[metadata.bonus_logits_indices],
+            sampling_metadata=replace(sampling_metadata, max_num_logprobs=-1),
+            predict_bonus_token=True,
+            logprobs_mode_override="processed_logits" if self.is_processed_logprobs_mode else "raw_logits",
+        )
+        bonus = bonus_out.sampled_token_ids.view(-1)
+        out = torch.full((num_reqs, metadata.max_spec_len + 1), PLACEHOLDER_TOKEN_ID,
+                         dtype=torch.int32, device=device)
+
+        raw_target = logits[metadata.target_logits_indices].float()
+        target = raw_target if self.is_processed_logprobs_mode else raw_target.clone()
+        if raw_target.shape[0] == 0:
+            out[:, 0] = bonus
+        else:
+            target = self.apply_logits_processors(target, sampling_metadata, metadata)
+            self._verify(out, counts, metadata.draft_token_ids.long(), draft_probs, target,
+                         bonus, sampling_metadata)
+
+        logprobs = None
+        if sampling_metadata.max_num_logprobs is not None:
+            logprobs = self._get_logprobs_tensors(
+                sampling_metadata.max_num_logprobs, metadata, logits,
+                target if self.is_processed_logprobs_mode else raw_target,
+                bonus_out.logprobs_tensors.logprobs, out,
+            )
+        return SamplerOutput(sampled_token_ids=out, logprobs_tensors=logprobs)
+
+    def _verify(self, out, counts, drafts, draft_probs, target, bonus, sampling_metadata) -> None:
+        device = target.device
+        num_reqs = len(counts)
+        count_t = torch.tensor(counts, device=device)
+        cu = torch.cumsum(count_t, 0).to(torch.int32)
+        req_params = RowParams.from_metadata(sampling_metadata, num_reqs, device)
+        params = req_params.repeat(count_t)
+        valid = drafts >= 0  # -1 marks a padded slot: always rejected
+        safe = drafts.clamp(min=0)
+        argmax = target.argmax(dim=-1)
+
+        if req_params.any_random:
+            p = processed_probs(target, params)
+            p_x = p.gather(1, safe[:, None]).squeeze(1)
+            q_x = draft_probs.gather(1, safe[:, None]).squeeze(1) if draft_probs is not None else torch.ones_like(p_x)
+            p_x = torch.where(valid, p_x, torch.zeros_like(p_x))
+            uniforms = row_uniforms([n + 1 for n in counts], sampling_metadata.generators, device)
+            take = torch.ones_like(uniforms, dtype=torch.bool)
+            take[torch.cumsum(torch.tensor([n + 1 for n in counts], device=device), 0) - 1] = False
+            accept_u, recover_u = uniforms[take], uniforms[~take]
+        else:
+            p = None
+            p_x = q_x = accept_u = torch.zeros(drafts.shape[0], device=device)
+            recover_u = torch.zeros(num_reqs, device=device)
+
+        accepted = ops.rejection_accept(p_x, q_x, drafts, torch.where(valid, argmax, -1), accept_u,
+                                        cu, req_params.is_greedy)
+        acc = accepted.long()
+        starts = cu.long() - count_t
+        rejected = acc < count_t
+        next_tok = bonus.long().clone()
+        if bool(rejected.any()):
+            rows = (starts + acc)[rejected]
+            rec = argmax[rows]
+            random_rows = ~req_params.is_greedy[rejected]
+            if bool(random_rows.any()):
+                r_rows = rows[random_rows]
+                q_rows = None
+                if draft_probs is not None:
+                    q_rows = draft_probs[r_rows].float() * valid[r_rows, None]
+                else:
+                    q_rows = torch.zeros_like(p[r_rows])
+                    q_rows[valid[r_rows]] = torch.nn.functional.one_hot(
+                        safe[r_rows][valid[r_rows]], p.shape[1]).float()
+                rec[random_rows] = ops.sample_recovered(
+                    p[r_rows], q_rows, safe[r_rows], recover_u[rejected][random_rows])
+            next_tok[rejected] = rec
+        # Assemble: accepted drafts, then the recovered or bonus token.
+        cols = torch.arange(out.shape[1], device=device)
+        idx = (starts[:, None] + cols[None, :]).clamp(max=max(drafts.shape[0] - 1, 0))
+        keep = cols[None, :] < acc[:, None]
+        out.copy_(torch.where(keep, drafts[idx].to(out.dtype), out))
+        out.scatter_(1, acc[:, None], next_tok[:, None].to(out.dtype))
