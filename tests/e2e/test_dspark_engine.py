@@ -1,0 +1,138 @@
+"""DSpark inside a real vLLM engine on CPU, through LLM(speculative_config=...).
+
+One engine (policy "full", K=7) for the module: greedy identity, the sampled
+distribution, a mixed batch with aborts, and vLLM's spec-decode counters.
+"""
+
+import pytest
+import torch
+
+from tests.conftest import TARGET_DIR
+from tests.e2e.conftest import dspark_config, greedy_params, make_llm, shutdown, spec_counters
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def llm(nospec_reference):  # the reference engine runs (and stops) first
+    engine = make_llm(speculative_config=dspark_config(7))
+    yield engine
+    shutdown(engine)
+
+
+def test_greedy_identical_to_no_speculation(llm, identity_prompts, nospec_reference):
+    before = spec_counters(llm)
+    outs = llm.generate(identity_prompts, greedy_params(), use_tqdm=False)
+    got = [list(o.outputs[0].token_ids) for o in outs]
+    mismatched = [i for i, (a, b) in enumerate(zip(got, nospec_reference["token_ids"])) if a != b]
+    assert not mismatched, f"prompts {mismatched} differ from no-spec greedy output"
+    after = spec_counters(llm)
+    drafts = after["vllm:spec_decode_num_drafts"] - before.get("vllm:spec_decode_num_drafts", 0)
+    drafted = after["vllm:spec_decode_num_draft_tokens"] - before.get("vllm:spec_decode_num_draft_tokens", 0)
+    accepted = after["vllm:spec_decode_num_accepted_tokens"] - before.get("vllm:spec_decode_num_accepted_tokens", 0)
+    assert drafts > 0 and drafted == 7 * drafts  # policy "full" verifies every drafted token
+    assert accepted / drafts > 0.5, "the trained drafter should get well over half a token accepted per step"
+
+
+def _exact_second_token_marginal(prompt_ids: list[int], temperature: float, top_p: float | None) -> torch.Tensor:
+    """P(x1 | prompt) = sum_x0 P(x0 | prompt) P(x1 | prompt, x0) under the
+    processed (temperature, top-p) distributions, from transformers in fp32."""
+    from transformers import Qwen3ForCausalLM
+
+    def process(logits):
+        p = torch.softmax(logits / temperature, -1)
+        if top_p is not None:
+            sorted_p, order = p.sort(dim=-1, descending=True)
+            drop = (sorted_p.cumsum(-1) - sorted_p) >= top_p
+            p = p.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
+            p = p / p.sum(-1, keepdim=True)
+        return p
+
+    model = Qwen3ForCausalLM.from_pretrained(str(TARGET_DIR), dtype=torch.float32).eval()
+    with torch.no_grad():
+        p0 = process(model(torch.tensor([prompt_ids])).logits[0, -1])
+        support = torch.nonzero(p0 > 1e-7).squeeze(1)
+        batch = torch.cat([torch.tensor(prompt_ids).expand(len(support), -1), support[:, None]], 1)
+        p1 = process(model(batch).logits[:, -1])
+    return (p0[support, None] * p1).sum(0)
+
+
+@pytest.mark.parametrize(("temperature", "top_p"), [(1.0, None), (0.8, 0.9)])
+def test_sampled_output_follows_target(llm, heldout_prompts, temperature, top_p):
+    """The second generated token (the first one speculative decoding
+    produces) over 2000 requests against its exact marginal. Engine seed 0;
+    chi-square over tokens with expected count >= 5 (the rest pooled);
+    fails when p < 1e-3, so a lossless engine fails with probability 0.001."""
+    from vllm import SamplingParams
+
+    prompt = heldout_prompts[1]["text"]
+    draws = 2000
+    params = SamplingParams(temperature=temperature, top_p=top_p or 1.0, max_tokens=2, ignore_eos=True)
+    outs = llm.generate([prompt] * draws, params, use_tqdm=False)
+    prompt_ids = list(outs[0].prompt_token_ids)
+    second = torch.tensor([o.outputs[0].token_ids[1] for o in outs])
+    expected = _exact_second_token_marginal(prompt_ids, temperature, top_p)
+    counts = torch.bincount(second, minlength=expected.numel()).double()
+    exp = draws * expected.double()
+    big = exp >= 5
+    obs = torch.cat([counts[big], counts[~big].sum()[None]])
+    expd = torch.cat([exp[big], exp[~big].sum()[None]])
+    stat = ((obs - expd) ** 2 / expd).sum()
+    pvalue = float(torch.special.gammaincc(torch.tensor((len(obs) - 1) / 2.0), stat / 2))
+    assert int(big.sum()) >= 5, "the test needs a spread-out marginal to have power"
+    assert pvalue > 1e-3, (pvalue, stat, len(obs))
+
+
+def test_mixed_batch_with_stops_and_aborts(llm, identity_prompts, nospec_reference):
+    """Greedy and sampled requests together, different max_tokens and stop
+    strings, four requests aborted mid-generation: nothing crashes, greedy
+    outputs stay exact, and no per-request state survives."""
+    from vllm import SamplingParams
+
+    engine = llm.llm_engine
+    ref_text, ref_ids = nospec_reference["text"], nospec_reference["token_ids"]
+    expected = {}
+    for i in range(8):  # greedy, various lengths; every other one with a stop string
+        max_tokens = [16, 40, 77, 128][i % 4]
+        stop = None
+        if i % 2:
+            stop = ref_text[i][30:36]  # a string the reference output does contain
+            expected[f"g{i}"] = ("text", ref_text[i].split(stop, 1)[0]
+                                 if stop in ref_text[i] else None, max_tokens)
+        else:
+            expected[f"g{i}"] = ("ids", ref_ids[i][:max_tokens], max_tokens)
+        engine.add_request(f"g{i}", identity_prompts[i],
+                           greedy_params(max_tokens, stop=[stop] if stop else None))
+    for i in range(8, 14):
+        engine.add_request(f"s{i}", identity_prompts[i],
+                           SamplingParams(temperature=1.0, top_p=0.95, max_tokens=20 + 9 * i, seed=i))
+    for i in range(14, 18):
+        engine.add_request(f"a{i}", identity_prompts[i], greedy_params(128))
+    finished, steps = {}, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+        steps += 1
+        if steps == 4:
+            engine.abort_request([f"a{i}" for i in range(14, 18)])
+    for rid, (kind, want, max_tokens) in expected.items():
+        got = finished[rid].outputs[0]
+        if kind == "ids":
+            assert list(got.token_ids) == want, rid
+        elif got.finish_reason == "stop":
+            assert got.text == want, rid
+        else:  # hit max_tokens before the stop string
+            assert want is None or want.startswith(got.text), rid
+            assert len(got.token_ids) == max_tokens, rid
+    for i in range(8, 14):
+        assert len(finished[f"s{i}"].outputs[0].token_ids) == 20 + 9 * i
+    assert not any(rid.startswith("a") and out.outputs[0].finish_reason == "length"
+                   for rid, out in finished.items())
+    leftovers = llm.collective_rpc(lambda self: (len(self.model_runner.requests),
+                                                 self.model_runner.input_batch.num_reqs,
+                                                 self.model_runner.drafter.last_confidence is None))
+    assert leftovers == [(0, 0, True)]
+    # The engine is still exact afterwards.
+    again = llm.generate(identity_prompts[:4], greedy_params(), use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in again] == ref_ids[:4]
