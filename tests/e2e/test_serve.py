@@ -1,0 +1,73 @@
+"""`vllm serve` with the DSpark JSON and nothing else, queried over HTTP on
+loopback: greedy completions equal the offline no-speculation output."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+from tests.conftest import TARGET_DIR
+from tests.e2e.conftest import IDENTITY_TOKENS, dspark_config
+
+pytestmark = pytest.mark.e2e
+STARTUP_TIMEOUT_S = 300
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(nospec_reference, tmp_path_factory):
+    port = _free_port()
+    log = tmp_path_factory.mktemp("serve") / "server.log"
+    cmd = [str(Path(sys.executable).parent / "vllm"), "serve", str(TARGET_DIR),
+           "--speculative-config", json.dumps(dspark_config(7)),
+           "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16",
+           "--max-model-len", "512", "--max-num-seqs", "16", "--gpu-memory-utilization", "0.1",
+           "--enforce-eager", "--seed", "0"]
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=dict(os.environ))
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + STARTUP_TIMEOUT_S
+    try:
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"vllm serve exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+            try:
+                if requests.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            except requests.ConnectionError:
+                pass
+            if time.time() > deadline:
+                pytest.fail(f"vllm serve did not come up in {STARTUP_TIMEOUT_S}s:\n{log.read_text()[-3000:]}")
+            time.sleep(1)
+        yield base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def test_serve_greedy_identical(server, identity_prompts, nospec_reference):
+    body = {"model": str(TARGET_DIR), "prompt": identity_prompts, "max_tokens": IDENTITY_TOKENS,
+            "temperature": 0, "ignore_eos": True}
+    resp = requests.post(f"{server}/v1/completions", json=body, timeout=300)
+    assert resp.status_code == 200, resp.text
+    texts = [c["text"] for c in sorted(resp.json()["choices"], key=lambda c: c["index"])]
+    mismatched = [i for i, (a, b) in enumerate(zip(texts, nospec_reference["text"])) if a != b]
+    assert len(texts) == len(identity_prompts) and not mismatched, mismatched
+    metrics = requests.get(f"{server}/metrics", timeout=30).text
+    drafts = [float(line.split()[-1]) for line in metrics.splitlines()
+              if line.startswith("vllm:spec_decode_num_drafts_total")]
+    assert drafts and drafts[0] > 0, "the server must have run speculative decoding"
