@@ -1,0 +1,70 @@
+"""Every bad DSpark setting fails at start-up (LLM() construction, before any
+engine process starts) with a message that names the field and the fix."""
+
+import json
+import shutil
+
+import pytest
+
+from tests.conftest import DRAFTER_DIR, TARGET_DIR
+
+
+def _llm(spec=None, additional=None):
+    from vllm import LLM
+
+    spec_config = {"method": "dspark", "model": str(DRAFTER_DIR), "num_speculative_tokens": 7, **(spec or {})}
+    return LLM(model=str(TARGET_DIR), dtype="bfloat16", max_model_len=512, gpu_memory_utilization=0.1,
+               enforce_eager=True, speculative_config=spec_config,
+               additional_config={"dspark": additional} if additional is not None else {})
+
+
+def _drafter_copy(tmp_path, **overrides):
+    out = tmp_path / "drafter"
+    out.mkdir()
+    for f in DRAFTER_DIR.iterdir():
+        if f.name != "config.json":
+            (out / f.name).symlink_to(f)
+    cfg = json.loads((DRAFTER_DIR / "config.json").read_text())
+    cfg.update(overrides)
+    (out / "config.json").write_text(json.dumps(cfg))
+    return str(out)
+
+
+CASES = {
+    "missing path": (lambda tmp: {"model": str(tmp / "nope")}, None,
+                     r"speculative_config\.model=.*does not exist"),
+    "not a DSpark checkpoint": (lambda tmp: {"model": str(TARGET_DIR)}, None,
+                                r"not a DSpark checkpoint.*Qwen3ForCausalLM"),
+    "folder without config.json": (lambda tmp: {"model": str(tmp)}, None, r"has no config\.json"),
+    "vocab mismatch": (lambda tmp: {"model": _drafter_copy(tmp, vocab_size=4096)}, None,
+                       r"vocab_size=4096 but the target has 2048"),
+    "hidden size mismatch": (lambda tmp: {"model": _drafter_copy(tmp, target_hidden_size=512)}, None,
+                             r"target hidden size 512 but the target has hidden_size=256"),
+    "layer ids out of range": (lambda tmp: {"model": _drafter_copy(tmp, target_layer_ids=[0, 2, 7])}, None,
+                               r"target_layer_ids=\[0, 2, 7\].*within \[-1, 3\]"),
+    "K above block_size": (lambda tmp: {"num_speculative_tokens": 8}, None,
+                           r"num_speculative_tokens=8 is out of range.*1\.\.7"),
+    "K below 1": (lambda tmp: {"num_speculative_tokens": 0}, None, r"num_speculative_tokens"),
+    "unknown knob": (lambda tmp: {}, {"polcy": "full"},
+                     r"unknown key 'polcy'; valid keys are: policy, threshold"),
+    "threshold out of range": (lambda tmp: {}, {"threshold": 1.5},
+                               r"threshold: Input should be less than or equal to 1"),
+    "unknown policy": (lambda tmp: {}, {"policy": "sometimes"}, r"policy: Input should be 'full' or 'threshold'"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_input_fails_at_startup_with_a_clear_error(case, tmp_path):
+    spec, knobs, pattern = CASES[case]
+    with pytest.raises(Exception, match=pattern):
+        _llm(spec(tmp_path), knobs)
+
+
+def test_error_for_missing_drafter_is_ours(tmp_path):
+    """Not a hub lookup or a deep stack: our own error type, raised up front."""
+    from vllm_dspark.config import DSparkConfigError
+
+    with pytest.raises((DSparkConfigError, ValueError)) as info:
+        _llm({"model": str(tmp_path / "missing" / "drafter")})
+    assert "DSpark drafter folder" in str(info.value)
+    shutil.rmtree(tmp_path, ignore_errors=True)
