@@ -43,6 +43,73 @@ def measure_offline(llm, prompts: list[str], concurrency: int, max_tokens: int,
     return ThroughputSample(concurrency, len(prompts), tokens, time.perf_counter() - t0)
 
 
+TINY_TARGET = "examples/models/tiny-qwen3"
+TINY_DRAFTER = "examples/models/tiny-qwen3-dspark"
+# Engine settings shared by the demo, the benchmarks and the e2e tests (CPU:
+# gpu_memory_utilization sizes the KV cache out of host memory).
+ENGINE_DEFAULTS = dict(dtype="bfloat16", max_model_len=512, gpu_memory_utilization=0.1,
+                       enforce_eager=True, seed=0, disable_log_stats=False)
+
+
+def start_engine(model: str, max_num_seqs: int, spec: dict | None = None,
+                 knobs: dict | None = None, **overrides):
+    """An offline LLM(); ``spec`` is a speculative_config, ``knobs`` the
+    additional_config["dspark"] block."""
+    from vllm import LLM
+
+    kw = {**ENGINE_DEFAULTS, "model": model, "max_num_seqs": max_num_seqs, **overrides}
+    if spec is not None:
+        kw["speculative_config"] = spec
+    if knobs is not None:
+        kw["additional_config"] = {"dspark": knobs}
+    return LLM(**kw)
+
+
+def stop_engine(llm) -> None:
+    """Shut the engine's processes down now, so the next engine gets the cores."""
+    import gc
+
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+
+
+def spec_counters(llm) -> dict[str, float]:
+    """vLLM's cumulative spec-decode counters (drafts, draft tokens, accepted)."""
+    return {m.name.removeprefix("vllm:spec_decode_"): m.value for m in llm.get_metrics()
+            if m.name.startswith("vllm:spec_decode") and hasattr(m, "value")}
+
+
+def mean_accepted_length(before: dict, after: dict) -> float | None:
+    """Tokens committed per verification step, bonus included (tau)."""
+    drafts = after.get("num_drafts", 0) - before.get("num_drafts", 0)
+    if drafts <= 0:
+        return None
+    return 1 + (after["num_accepted_tokens"] - before.get("num_accepted_tokens", 0)) / drafts
+
+
+def measure_arm(label: str, target: str, prompts: list[str], concurrencies: list[int],
+                max_tokens: int, spec: dict | None = None, knobs: dict | None = None) -> list[dict]:
+    """Start one engine, measure tok/s (and tau with speculation) at each
+    concurrency, stop it. A wave count keeps short runs from being all noise."""
+    llm = start_engine(target, max_num_seqs=max(concurrencies), spec=spec, knobs=knobs)
+    try:
+        measure_offline(llm, prompts[:4], 4, 16)  # warm-up
+        rows = []
+        for c in concurrencies:
+            waves = max(2, 64 // c) if c < 16 else 2
+            before = spec_counters(llm)
+            row = measure_offline(llm, prompts[: c * waves], c, max_tokens).as_dict()
+            row["mean_accepted_length"] = mean_accepted_length(before, spec_counters(llm))
+            rows.append(row)
+            tau = row["mean_accepted_length"]
+            print(f"[bench] {label:>17} c={c:<3} {row['tokens_per_s']:8.1f} tok/s"
+                  + (f"  tau={tau:.2f}" if tau else ""), flush=True)
+        return rows
+    finally:
+        stop_engine(llm)
+
+
 def machine_info() -> dict:
     """What produced a number: CPU, core count and package versions."""
     import os

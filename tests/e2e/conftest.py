@@ -2,15 +2,13 @@
 set, and a no-speculation reference computed once per session (one engine
 alive at a time keeps memory and the 2 cores free)."""
 
-import gc
 import os
 
 import pytest
 
 from tests.conftest import DRAFTER_DIR, TARGET_DIR
+from vllm_dspark.benchmarking import spec_counters, start_engine, stop_engine  # noqa: F401
 
-ENGINE_KW = dict(model=str(TARGET_DIR), dtype="bfloat16", max_model_len=512, max_num_seqs=16,
-                 gpu_memory_utilization=0.1, enforce_eager=True, seed=0, disable_log_stats=False)
 IDENTITY_PROMPTS = 32
 IDENTITY_TOKENS = 128
 
@@ -28,20 +26,7 @@ def greedy_params(max_tokens: int = IDENTITY_TOKENS, **kw):
 def make_llm(**kw):
     # collective_rpc ships small lambdas to the worker in these tests.
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
-    from vllm import LLM
-
-    return LLM(**{**ENGINE_KW, **kw})
-
-
-def shutdown(llm) -> None:
-    llm.llm_engine.engine_core.shutdown()
-    del llm
-    gc.collect()
-
-
-def spec_counters(llm) -> dict[str, float]:
-    return {m.name: m.value for m in llm.get_metrics()
-            if m.name.startswith("vllm:spec_decode") and hasattr(m, "value")}
+    return start_engine(str(TARGET_DIR), max_num_seqs=16, **kw)
 
 
 @pytest.fixture(scope="session")
@@ -60,7 +45,7 @@ def nospec_reference(identity_prompts):
         alone = [llm.generate([p], greedy_params(48), use_tqdm=False)[0] for p in identity_prompts[:2]]
         workers = llm.collective_rpc(lambda self: __import__("vllm_dspark.plugin").plugin.registration_info())
     finally:
-        shutdown(llm)
+        stop_engine(llm)
     return {
         "token_ids": [list(o.outputs[0].token_ids) for o in first],
         "text": [o.outputs[0].text for o in first],

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.conftest import TARGET_DIR
-from tests.e2e.conftest import dspark_config, greedy_params, make_llm, shutdown, spec_counters
+from tests.e2e.conftest import dspark_config, greedy_params, make_llm, spec_counters, stop_engine
 
 pytestmark = pytest.mark.e2e
 
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.e2e
 def llm(nospec_reference):  # the reference engine runs (and stops) first
     engine = make_llm(speculative_config=dspark_config(7))
     yield engine
-    shutdown(engine)
+    stop_engine(engine)
 
 
 def test_greedy_identical_to_no_speculation(llm, identity_prompts, nospec_reference):
@@ -27,9 +27,9 @@ def test_greedy_identical_to_no_speculation(llm, identity_prompts, nospec_refere
     mismatched = [i for i, (a, b) in enumerate(zip(got, nospec_reference["token_ids"])) if a != b]
     assert not mismatched, f"prompts {mismatched} differ from no-spec greedy output"
     after = spec_counters(llm)
-    drafts = after["vllm:spec_decode_num_drafts"] - before.get("vllm:spec_decode_num_drafts", 0)
-    drafted = after["vllm:spec_decode_num_draft_tokens"] - before.get("vllm:spec_decode_num_draft_tokens", 0)
-    accepted = after["vllm:spec_decode_num_accepted_tokens"] - before.get("vllm:spec_decode_num_accepted_tokens", 0)
+    drafts = after["num_drafts"] - before.get("num_drafts", 0)
+    drafted = after["num_draft_tokens"] - before.get("num_draft_tokens", 0)
+    accepted = after["num_accepted_tokens"] - before.get("num_accepted_tokens", 0)
     assert drafts > 0 and drafted == 7 * drafts  # policy "full" verifies every drafted token
     assert accepted / drafts > 0.5, "the trained drafter should get well over half a token accepted per step"
 

@@ -1,0 +1,97 @@
+"""No speculation vs DSpark in vLLM, in one run, on the same machine.
+
+    python benchmarks/bench_dspark.py                      # tiny pair, c = 1 and 16
+    python benchmarks/bench_dspark.py --concurrency 1 4 16 64 --arms nospec dspark-k7
+
+Each arm gets its own engine (started, measured, stopped in turn). Every
+request is greedy with a fixed number of new tokens (ignore_eos); a wave of
+`c` requests runs together, so `c` requests are in flight. Writes a JSON
+record (machine, versions, settings, per-arm numbers, the no-spec baseline)
+and a PNG plot next to it.
+"""
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+ARMS = {
+    "nospec": None,
+    "dspark-k7": {"k": 7, "knobs": {"policy": "full"}},
+    "dspark-k3": {"k": 3, "knobs": {"policy": "full"}},
+    "dspark-k1": {"k": 1, "knobs": {"policy": "full"}},
+    "dspark-threshold": {"k": 7, "knobs": {"policy": "threshold", "threshold": 0.3}},
+}
+
+
+def run_arm(name, target, drafter, prompts, concurrencies, max_tokens):
+    from vllm_dspark.benchmarking import measure_arm
+
+    arm = ARMS[name]
+    if arm is None:
+        return measure_arm(name, target, prompts, concurrencies, max_tokens)
+    spec = {"method": "dspark", "model": drafter, "num_speculative_tokens": arm["k"]}
+    return measure_arm(name, target, prompts, concurrencies, max_tokens, spec=spec, knobs=arm["knobs"])
+
+
+def plot(record: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for name, rows in record["arms"].items():
+        cs = [r["concurrency"] for r in rows]
+        axes[0].plot(cs, [r["tokens_per_s"] for r in rows], marker="o", label=name)
+        axes[1].plot(cs, [r["per_request_tokens_per_s"] for r in rows], marker="o", label=name)
+    for ax, title in zip(axes, ("throughput (tok/s)", "per-request tok/s")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrency")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    axes[0].legend()
+    fig.suptitle(f"{Path(record['target']).name}: greedy, {record['max_tokens']} new tokens; "
+                 f"{record['machine']['cpu']} x{record['machine']['cores']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> dict:
+    from vllm_dspark.benchmarking import TINY_DRAFTER, TINY_TARGET, machine_info
+    from vllm_dspark.training.prompts import load_prompts
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default=str(REPO / TINY_TARGET))
+    ap.add_argument("--drafter", default=str(REPO / TINY_DRAFTER))
+    ap.add_argument("--arms", nargs="+", default=["nospec", "dspark-k7"], choices=list(ARMS))
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "dspark_vs_nospec.json")
+    args = ap.parse_args(argv)
+    prompts = [p["text"] for p in load_prompts()]
+    record = {"command": " ".join(["python", "benchmarks/bench_dspark.py", *(argv or sys.argv[1:])]),
+              "machine": machine_info(), "target": args.target, "drafter": args.drafter,
+              "max_tokens": args.max_tokens, "arms": {}}
+    t0 = time.time()
+    for name in args.arms:
+        record["arms"][name] = run_arm(name, args.target, args.drafter, prompts, args.concurrency, args.max_tokens)
+    record["wall_seconds"] = round(time.time() - t0, 1)
+    base = {r["concurrency"]: r["tokens_per_s"] for r in record["arms"].get("nospec", [])}
+    for rows in record["arms"].values():
+        for r in rows:
+            if r["concurrency"] in base:
+                r["speedup_vs_nospec"] = r["tokens_per_s"] / base[r["concurrency"]]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(record, indent=2) + "\n")
+    plot(record, args.out.with_suffix(".png"))
+    print(f"[bench] wrote {args.out} and {args.out.with_suffix('.png')}")
+    return record
+
+
+if __name__ == "__main__":
+    main()
