@@ -77,3 +77,43 @@ def test_vllm_plugin_loader_gates(env, expected):
                          env={**full_env, **env}, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == expected
+
+
+def test_ledger_matches_installed_vllm():
+    from vllm_dspark.compat.ledger import check_hooks
+
+    check_hooks("config", "worker", "cpu_worker", "gpu_worker")
+
+
+def test_ledger_reports_every_drift_at_once():
+    from vllm_dspark.compat.ledger import Hook, VllmHookDrift, check_hooks
+
+    fake = (Hook("vllm.config.vllm.VllmConfig.no_such_method", "wrap", "-", "-", "-", ("self",), "config"),
+            Hook("vllm.config.vllm.VllmConfig.__post_init__", "wrap", "-", "-", "-", ("self", "extra"), "config"))
+    with pytest.raises(VllmHookDrift) as info:
+        check_hooks("config", ledger=fake)
+    assert "no_such_method: missing" in str(info.value)
+    assert "do not start with ('self', 'extra')" in str(info.value)
+
+
+def test_readme_lists_every_ledger_entry():
+    from vllm_dspark.compat.ledger import LEDGER
+
+    readme = (REPO / "README.md").read_text()
+    assert [h.symbol for h in LEDGER if f"`{h.symbol}`" not in readme] == []
+
+
+def test_without_the_plugin_vllm_rejects_dspark_on_cpu():
+    """What the plugin changes: the same LLM() call fails in stock vLLM."""
+    code = (
+        "from vllm import LLM\n"
+        "try:\n"
+        f"    LLM(model={str(REPO / 'examples/models/tiny-qwen3')!r}, gpu_memory_utilization=0.1,"
+        f" enforce_eager=True, max_model_len=512, speculative_config={{'method': 'dspark', 'model':"
+        f" {str(REPO / 'examples/models/tiny-qwen3-dspark')!r}, 'num_speculative_tokens': 7}})\n"
+        "except Exception as e:\n"
+        "    print('ERROR', e)\n"
+    )
+    env = {**os.environ, "VLLM_DSPARK_ENABLED": "0"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert "Model Runner V1 does not support: dspark speculative decoding" in out.stdout, out.stderr[-2000:]

@@ -181,3 +181,14 @@ def check_hooks(*scopes: str, ledger: tuple[Hook, ...] = LEDGER) -> None:
             "vllm_dspark does not match the installed vLLM:\n  - " + "\n  - ".join(problems)
             + "\nInstall the pinned vLLM (see vllm_dspark/version.py) or set VLLM_DSPARK_ENABLED=0."
         )
+
+
+def markdown_table(ledger: tuple[Hook, ...] = LEDGER) -> str:
+    """The ledger as the README shows it (`python -m vllm_dspark.compat.ledger`)."""
+    rows = ["| vLLM symbol | kind | why | what it replaces | remove when |", "|---|---|---|---|---|"]
+    rows += [f"| `{h.symbol}` | {h.kind} | {h.why} | {h.replaces} | {h.remove_when} |" for h in ledger]
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(markdown_table())
