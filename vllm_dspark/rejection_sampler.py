@@ -75,10 +75,8 @@ class DSparkRejectionSampler(RejectionSampler):
             p_x = p.gather(1, safe[:, None]).squeeze(1)
             q_x = draft_probs.gather(1, safe[:, None]).squeeze(1) if draft_probs is not None else torch.ones_like(p_x)
             p_x = torch.where(valid, p_x, torch.zeros_like(p_x))
-            uniforms = row_uniforms([n + 1 for n in counts], sampling_metadata.generators, device)
-            take = torch.ones_like(uniforms, dtype=torch.bool)
-            take[torch.cumsum(torch.tensor([n + 1 for n in counts], device=device), 0) - 1] = False
-            accept_u, recover_u = uniforms[take], uniforms[~take]
+            accept_u = row_uniforms(counts, sampling_metadata.generators, device)
+            recover_u = row_uniforms([1] * num_reqs, sampling_metadata.generators, device)
         else:
             p = None
             p_x = q_x = accept_u = torch.zeros(drafts.shape[0], device=device)
@@ -96,13 +94,12 @@ class DSparkRejectionSampler(RejectionSampler):
             random_rows = ~req_params.is_greedy[rejected]
             if bool(random_rows.any()):
                 r_rows = rows[random_rows]
-                q_rows = None
                 if draft_probs is not None:
-                    q_rows = draft_probs[r_rows].float() * valid[r_rows, None]
-                else:
-                    q_rows = torch.zeros_like(p[r_rows])
-                    q_rows[valid[r_rows]] = torch.nn.functional.one_hot(
-                        safe[r_rows][valid[r_rows]], p.shape[1]).float()
+                    q_rows = draft_probs[r_rows].float()
+                else:  # deterministic drafts: q is one-hot at the draft
+                    q_rows = torch.nn.functional.one_hot(safe[r_rows], p.shape[1]).float()
+                # A padded (-1) slot drafted nothing: its correction is drawn from p.
+                q_rows = q_rows * valid[r_rows, None]
                 rec[random_rows] = ops.sample_recovered(
                     p[r_rows], q_rows, safe[r_rows], recover_u[rejected][random_rows])
             next_tok[rejected] = rec
