@@ -1,7 +1,7 @@
-"""No speculation vs DSpark in vLLM, in one run, on the same machine.
+"""No speculation vs DSpark policies in vLLM, in one run, on the same machine.
 
-    python benchmarks/bench_dspark.py                      # tiny pair, c = 1 and 16
-    python benchmarks/bench_dspark.py --concurrency 1 4 16 64 --arms nospec dspark-k7
+    python benchmarks/bench_dspark.py                      # all arms, c = 1, 4, 16, 64
+    python benchmarks/bench_dspark.py --concurrency 1 16 --arms nospec dspark-k7
 
 Each arm gets its own engine (started, measured, stopped in turn). Every
 request is greedy with a fixed number of new tokens (ignore_eos); a wave of
@@ -25,6 +25,7 @@ ARMS = {
     "dspark-k3": {"k": 3, "knobs": {"policy": "full"}},
     "dspark-k1": {"k": 1, "knobs": {"policy": "full"}},
     "dspark-threshold": {"k": 7, "knobs": {"policy": "threshold", "threshold": 0.3}},
+    "dspark-adaptive": {"k": 7, "knobs": {"policy": "adaptive"}},
 }
 
 
@@ -36,6 +37,24 @@ def run_arm(name, target, drafter, prompts, concurrencies, max_tokens):
         return measure_arm(name, target, prompts, concurrencies, max_tokens)
     spec = {"method": "dspark", "model": drafter, "num_speculative_tokens": arm["k"]}
     return measure_arm(name, target, prompts, concurrencies, max_tokens, spec=spec, knobs=arm["knobs"])
+
+
+def twin_cost_us(requests: int = 64, k: int = 7, reps: int = 500) -> float:
+    """CPU time of the adaptive-lengths torch twin for one step at 64 requests."""
+    import math
+
+    import torch
+
+    from vllm_dspark.ops.reference import adaptive_lengths
+
+    gen = torch.Generator().manual_seed(0)
+    conf = torch.rand(requests, k, generator=gen) ** 0.3
+    cap = torch.full((requests,), k, dtype=torch.int32)
+    adaptive_lengths(conf, cap, 5e-3, 1e-4, math.inf, 1 << 30)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        adaptive_lengths(conf, cap, 5e-3, 1e-4, math.inf, 1 << 30)
+    return (time.perf_counter() - t0) / reps * 1e6
 
 
 def plot(record: dict, path: Path) -> None:
@@ -68,11 +87,18 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default=str(REPO / TINY_TARGET))
     ap.add_argument("--drafter", default=str(REPO / TINY_DRAFTER))
-    ap.add_argument("--arms", nargs="+", default=["nospec", "dspark-k7"], choices=list(ARMS))
-    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "dspark_vs_nospec.json")
+    ap.add_argument("--cache-dir", type=Path, default=None,
+                    help="VLLM_DSPARK_CACHE_DIR for the run (default: a fresh temporary one, so the "
+                    "cost model is learned online from scratch)")
     args = ap.parse_args(argv)
+    import os
+    import tempfile
+
+    os.environ["VLLM_DSPARK_CACHE_DIR"] = str(args.cache_dir or tempfile.mkdtemp(prefix="dspark_cache_"))
     prompts = [p["text"] for p in load_prompts()]
     record = {"command": " ".join(["python", "benchmarks/bench_dspark.py", *(argv or sys.argv[1:])]),
               "machine": machine_info(), "target": args.target, "drafter": args.drafter,
@@ -86,6 +112,7 @@ def main(argv=None) -> dict:
         for r in rows:
             if r["concurrency"] in base:
                 r["speedup_vs_nospec"] = r["tokens_per_s"] / base[r["concurrency"]]
+    record["adaptive_twin_us_per_step_at_64"] = twin_cost_us()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=2) + "\n")
     plot(record, args.out.with_suffix(".png"))

@@ -101,6 +101,8 @@ def measure_arm(label: str, target: str, prompts: list[str], concurrencies: list
             before = spec_counters(llm)
             row = measure_offline(llm, prompts[: c * waves], c, max_tokens).as_dict()
             row["mean_accepted_length"] = mean_accepted_length(before, spec_counters(llm))
+            if spec is not None:
+                row["controller"] = llm.collective_rpc("dspark_snapshot")[0]
             rows.append(row)
             tau = row["mean_accepted_length"]
             print(f"[bench] {label:>17} c={c:<3} {row['tokens_per_s']:8.1f} tok/s"

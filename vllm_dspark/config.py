@@ -22,21 +22,43 @@ class DSparkConfigError(ValueError):
     """A DSpark setting or checkpoint is unusable; the message says how to fix it."""
 
 
+# SamplingParams.extra_args key: a request's own cap on verified drafts (0..K).
+MAX_VERIFY_KEY = "dspark_max_verify"
+
+
 class DSparkKnobs(BaseModel):
     """``additional_config["dspark"]``."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    policy: Literal["full", "threshold"] = Field(
-        default="full",
-        description='"full" verifies every drafted token; "threshold" verifies the '
-        "longest prefix whose cumulative confidence is at least `threshold`.",
+    policy: Literal["adaptive", "full", "threshold"] = Field(
+        default="adaptive",
+        description='"adaptive" picks per-request verify lengths that maximise expected '
+        'goodput under the current load; "full" verifies every drafted token; "threshold" '
+        "verifies the longest prefix whose cumulative confidence is at least `threshold`.",
     )
     threshold: float = Field(
-        default=0.5,
-        ge=0.0,
-        le=1.0,
+        default=0.5, ge=0.0, le=1.0,
         description="Cut-off on the cumulative confidence for policy=threshold.",
+    )
+    slo_tokens_per_s: float | None = Field(
+        default=None, gt=0.0,
+        description="policy=adaptive: a per-request floor. The predicted step time is kept "
+        "at or below 1/slo_tokens_per_s, so every running request gets at least that rate "
+        "even if every draft is rejected; throughput is maximised within that.",
+    )
+    calibration: bool = Field(
+        default=True,
+        description="Calibrate the confidence head per position, online, from observed acceptance.",
+    )
+    persist_cost_model: bool = Field(
+        default=True,
+        description="Save the learned step-time model under a hardware/model fingerprint "
+        "(in VLLM_DSPARK_CACHE_DIR) and reuse it next time.",
+    )
+    log_every: int = Field(
+        default=0, ge=0,
+        description="Log a controller summary every N steps (0: quiet).",
     )
 
 

@@ -45,6 +45,15 @@ ENV_VARS: dict[str, tuple[Callable[[], Any], str]] = {
         _flag("VLLM_DSPARK_SKIP_VERSION_CHECK", False),
         "Set to 1 to run against a vLLM other than the pinned one (unsupported).",
     ),
+    "VLLM_DSPARK_CACHE_DIR": (
+        lambda: os.path.expanduser(os.environ.get("VLLM_DSPARK_CACHE_DIR", "~/.cache/vllm_dspark")),
+        "Where learned step-time models are saved (one JSON per hardware/model fingerprint).",
+    ),
+    "VLLM_DSPARK_METRICS_DIR": (
+        lambda: os.environ.get("VLLM_DSPARK_METRICS_DIR") or None,
+        "Set by the plugin in the serving process: where workers leave metric snapshots "
+        "for /metrics. Leave unset.",
+    ),
     "VLLM_DSPARK_OPS": (
         _choice("VLLM_DSPARK_OPS", "auto", ("auto", "triton", "reference")),
         "Kernel choice: auto (Triton on CUDA tensors, torch twin elsewhere), "

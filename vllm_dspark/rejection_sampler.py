@@ -27,6 +27,9 @@ from vllm_dspark.sampling import RowParams, processed_probs, row_uniforms
 
 
 class DSparkRejectionSampler(RejectionSampler):
+    # (num_verified per request, accepted per request) of the last call, for the controller.
+    last_outcome: tuple[list[int], list[int]] | None = None
+
     def forward(self, metadata, draft_probs, logits, sampling_metadata) -> SamplerOutput:
         counts = list(metadata.num_draft_tokens)
         num_reqs = len(counts)
@@ -84,6 +87,7 @@ class DSparkRejectionSampler(RejectionSampler):
 
         accepted = ops.rejection_accept(p_x, q_x, drafts, torch.where(valid, argmax, -1), accept_u,
                                         cu, req_params.is_greedy)
+        self.last_outcome = (counts, accepted.tolist())
         acc = accepted.long()
         starts = cu.long() - count_t
         rejected = acc < count_t

@@ -1,11 +1,11 @@
 """The DSpark model runners: vLLM's V1 runners with DSpark drafting and
-variable-length verification.
+load-aware, variable-length verification.
 
-Three changes, all in subclasses: the drafter is a DSparkProposer, the target
-emits the auxiliary hidden states it reads, the rejection sampler is
-DSparkRejectionSampler, and each request's block is cut to its verify length
-before the scheduler sees it, so the verify batch really shrinks and vLLM's
-acceptance metrics count only what was verified.
+Changes, all in subclasses: the drafter is a DSparkProposer, the target emits
+the auxiliary hidden states it reads, the rejection sampler is
+DSparkRejectionSampler, and each step the controller cuts every request's new
+block to its verify length before the scheduler sees it, so the verify batch
+really shrinks and vLLM's acceptance metrics count only what was verified.
 """
 
 import torch
@@ -13,10 +13,18 @@ from vllm.v1.worker import gpu_model_runner
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
+from vllm_dspark import envs
+from vllm_dspark.log import get_logger
 from vllm_dspark.compat.patches import rebound
-from vllm_dspark.policy import verify_lengths
+from vllm_dspark.config import parse_knobs
+from vllm_dspark.controller.controller import DSparkController
+from vllm_dspark.controller.cost_model import fingerprint
+from vllm_dspark.metrics import SnapshotWriter, summary_line
 from vllm_dspark.proposer.dspark_proposer import DSparkProposer
 from vllm_dspark.rejection_sampler import DSparkRejectionSampler
+from vllm_dspark.sampling import GREEDY_EPS
+
+logger = get_logger(__name__)
 
 
 class DSparkRunnerMixin:
@@ -28,6 +36,11 @@ class DSparkRunnerMixin:
         assert isinstance(self.drafter, DSparkProposer)
         self.use_aux_hidden_state_outputs = True
         self.rejection_sampler = DSparkRejectionSampler(self.sampler, self.speculative_config, self.device)
+        knobs = parse_knobs(vllm_config.additional_config)
+        self.dspark = DSparkController(knobs, self.drafter.block_len, _cost_fingerprint(vllm_config),
+                                       cache_dir=_cache_dir())
+        rank = vllm_config.parallel_config.rank
+        self._dspark_snapshots = SnapshotWriter(envs.VLLM_DSPARK_METRICS_DIR if rank == 0 else None, rank)
 
     def _get_eagle3_aux_layers_from_config(self):
         # The V1 helper reads only DFlash/EAGLE keys; vLLM's V2 helper also reads
@@ -36,14 +49,52 @@ class DSparkRunnerMixin:
 
         return get_eagle3_aux_layers_from_config(self.speculative_config)
 
+    def execute_model(self, scheduler_output, *args, **kwargs):
+        self.dspark.step_started(scheduler_output)
+        self.rejection_sampler.last_outcome = None
+        return super().execute_model(scheduler_output, *args, **kwargs)
+
+    def sample_tokens(self, *args, **kwargs):
+        out = super().sample_tokens(*args, **kwargs)
+        self.dspark.step_finished()
+        self._dspark_snapshots.maybe_write(self.dspark.snapshot)
+        every = self.dspark.knobs.log_every
+        if every and self.dspark.steps and self.dspark.steps % every == 0:
+            logger.info(summary_line(self.dspark.snapshot()))
+        return out
+
     def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, *args, **kwargs):
+        req_ids = list(self.input_batch.req_ids)
+        outcome = self.rejection_sampler.last_outcome
+        if outcome is not None:
+            self.dspark.verified(req_ids, *outcome)
         drafts = super().propose_draft_token_ids(scheduler_output, sampled_token_ids, *args, **kwargs)
         confidence = self.drafter.last_confidence
         self.drafter.last_confidence = None
         if not torch.is_tensor(drafts) or confidence is None:
             return drafts
-        lengths = verify_lengths(self.drafter.knobs, confidence).tolist()
+        rows = req_ids[: drafts.shape[0]]
+        params = [self.requests[rid].sampling_params for rid in rows]
+        caps = self.dspark.request_caps([p.extra_args for p in params])
+        greedy = [p.temperature < GREEDY_EPS for p in params]
+        lengths = self.dspark.choose(rows, confidence, caps, greedy)
         return [row[:n] for row, n in zip(drafts.tolist(), lengths)]
+
+
+def _cost_fingerprint(vllm_config) -> str:
+    from vllm_dspark.benchmarking import machine_info
+
+    info = machine_info()
+    spec = vllm_config.speculative_config
+    return fingerprint(info["cpu"], info["cores"], info["versions"], vllm_config.model_config.model,
+                       vllm_config.model_config.dtype, spec.model, spec.num_speculative_tokens,
+                       vllm_config.parallel_config.tensor_parallel_size)
+
+
+def _cache_dir():
+    from pathlib import Path
+
+    return Path(envs.VLLM_DSPARK_CACHE_DIR)
 
 
 class DSparkCPUModelRunner(DSparkRunnerMixin, CPUModelRunner):

@@ -56,6 +56,28 @@ LEDGER: tuple[Hook, ...] = (
         scope="config",
     ),
     Hook(
+        "vllm.v1.engine.input_processor.InputProcessor._validate_params", "wrap",
+        "Reject a bad per-request extra_args['dspark_max_verify'] at admission "
+        "(HTTP 400 / ValueError), not mid-decode.", "nothing (runs after vLLM's checks)",
+        "vLLM validates speculative per-request settings", ("self", "params"), scope="config",
+    ),
+    Hook(
+        "vllm.v1.core.sched.scheduler.Scheduler.schedule", "subclass",
+        "DSparkScheduler stamps queue depth, KV usage and token budget onto each "
+        "SchedulerOutput (installed as scheduler_cls for dspark runs).",
+        "nothing (calls super, then adds one attribute)", _UPSTREAM, ("self",),
+    ),
+    Hook(
+        "vllm.v1.worker.gpu_model_runner.GPUModelRunner.execute_model", "subclass",
+        "Marks the start of a step for the controller's step timing and load signals.",
+        "nothing (calls super)", _UPSTREAM, ("self", "scheduler_output"),
+    ),
+    Hook(
+        "vllm.v1.worker.gpu_model_runner.GPUModelRunner.sample_tokens", "subclass",
+        "Marks the end of a step (timing, metrics snapshot, periodic log).",
+        "nothing (calls super)", _UPSTREAM, ("self",),
+    ),
+    Hook(
         "vllm.v1.worker.cpu_worker.CPUWorker", "subclass",
         "DSparkCPUWorker builds the DSpark model runner.", "init_device (calls super)",
         _UPSTREAM, None, scope="cpu_worker",

@@ -11,6 +11,7 @@ import functools
 import os
 
 from vllm_dspark.config import (
+    MAX_VERIFY_KEY,
     DSparkConfigError,
     parse_knobs,
     read_checkpoint_config,
@@ -19,6 +20,7 @@ from vllm_dspark.config import (
 
 _MARK = "__vllm_dspark_wrapped__"
 DSPARK_V1_ONLY = "dspark speculative decoding"
+SCHEDULER = "vllm_dspark.scheduler.DSparkScheduler"
 WORKERS = {
     "vllm.v1.worker.cpu_worker.CPUWorker": "vllm_dspark.workers.cpu.DSparkCPUWorker",
     "vllm.v1.worker.gpu_worker.Worker": "vllm_dspark.workers.gpu.DSparkGPUWorker",
@@ -100,8 +102,11 @@ def _spec_post_init(original):
 def _vllm_post_init(original):
     def __post_init__(self):
         if dspark_active(self.speculative_config):
-            parse_knobs(self.additional_config)
+            knobs = parse_knobs(self.additional_config)
+            _check_confidence_head(self.speculative_config, knobs)
             _route_worker(self.parallel_config)
+            if self.scheduler_config.scheduler_cls is None:
+                self.scheduler_config.scheduler_cls = SCHEDULER
             if self.scheduler_config.async_scheduling:
                 raise DSparkConfigError(
                     "async_scheduling=True is not supported with method='dspark' "
@@ -111,6 +116,37 @@ def _vllm_post_init(original):
         original(self)
 
     return __post_init__
+
+
+def _check_confidence_head(spec, knobs) -> None:
+    hf = spec.draft_model_config.hf_config
+    if knobs.policy != "full" and not getattr(hf, "enable_confidence_head", False):
+        raise DSparkConfigError(
+            f"additional_config['dspark']['policy']={knobs.policy!r} needs the drafter's "
+            f"confidence head, but {spec.model!r} has enable_confidence_head=false; use "
+            "policy 'full' or a drafter trained with a confidence head."
+        )
+
+
+def _validate_request(original):
+    def _validate_params(self, params, *args, **kwargs):
+        result = original(self, params, *args, **kwargs)
+        spec = getattr(self, "speculative_config", None)
+        extra = getattr(params, "extra_args", None)
+        if dspark_active(spec) and extra and MAX_VERIFY_KEY in extra:
+            value = extra[MAX_VERIFY_KEY]
+            k = spec.num_speculative_tokens
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= k:
+                from vllm.exceptions import VLLMValidationError
+
+                raise VLLMValidationError(
+                    f"extra_args[{MAX_VERIFY_KEY!r}]={value!r} is invalid: use an integer "
+                    f"from 0 (no speculation for this request) to {k} (num_speculative_tokens).",
+                    parameter=f"extra_args.{MAX_VERIFY_KEY}",
+                )
+        return result
+
+    return _validate_params
 
 
 def _route_worker(parallel_config) -> None:
@@ -152,8 +188,10 @@ def _v2_unsupported(original):
 def apply_config_patches() -> None:
     from vllm.config.speculative import SpeculativeConfig
     from vllm.config.vllm import VllmConfig
+    from vllm.v1.engine.input_processor import InputProcessor
 
     _wrap(SpeculativeConfig, "__post_init__", _spec_post_init)
     _wrap(VllmConfig, "__post_init__", _vllm_post_init)
     _wrap(VllmConfig, "_get_v1_model_runner_unsupported_features", _v1_unsupported)
     _wrap(VllmConfig, "_get_v2_model_runner_unsupported_features", _v2_unsupported)
+    _wrap(InputProcessor, "_validate_params", _validate_request)

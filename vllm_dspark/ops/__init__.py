@@ -45,3 +45,12 @@ def sample_recovered(target_probs, draft_probs, draft_ids, uniforms):
     else:
         from vllm_dspark.ops.reference import sample_recovered as impl
     return impl(target_probs, draft_probs, draft_ids, uniforms)
+
+
+def adaptive_lengths(conf, cap, base_cost, token_cost, max_step_time, max_tokens):
+    """[R] goodput-optimal verify lengths. See ops.reference.adaptive_lengths."""
+    if use_triton(conf):
+        from vllm_dspark.ops.adaptive import adaptive_lengths as impl
+    else:
+        from vllm_dspark.ops.reference import adaptive_lengths as impl
+    return impl(conf, cap, base_cost, token_cost, max_step_time, max_tokens)

@@ -80,3 +80,41 @@ def inverse_cdf_sample(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.T
     cdf = weights.cumsum(dim=1)
     idx = torch.searchsorted(cdf, uniforms[:, None] * cdf[:, -1:], right=True).squeeze(1)
     return idx.clamp(max=weights.shape[1] - 1)
+
+
+def adaptive_lengths(
+    conf: torch.Tensor,  # [R, K] float32, calibrated conditional confidences
+    cap: torch.Tensor,  # [R] int32, per-request maximum verify length (0..K)
+    base_cost: float,  # predicted step seconds with no drafts verified
+    token_cost: float,  # predicted extra seconds per verified draft token
+    max_step_time: float,  # SLO: predicted step time may not exceed this (inf: none)
+    max_tokens: int,  # token headroom: at most this many draft tokens in total
+) -> torch.Tensor:  # [R] int32 verify lengths
+    """Goodput-optimal verify lengths (DSpark paper, Algorithm 1).
+
+    Survival a[r, j] = prod_{i<=j} c[r, i]. All (r, j) are admitted in
+    descending survival (ties: lower flat index first, so a request's
+    positions come in order), and admission stops at the first candidate that
+    does not strictly raise expected goodput
+
+        Theta_n = (R + sum of the n admitted survivals) / (base + token_cost * n),
+
+    or that would break the step-time or token cap. Whether (r, j) is verified
+    depends only on candidates ranked before it, none of which is a later
+    position of the same request, so the choice is non-anticipating.
+    Sums run in float64.
+    """
+    rows, k = conf.shape
+    c = torch.nan_to_num(conf.float(), nan=0.0).clamp(0.0, 1.0)
+    surv = torch.cumprod(c, dim=1)  # float32, left to right, like the kernel's loop
+    surv.masked_fill_(torch.arange(k, device=c.device)[None, :] >= cap[:, None], 0.0)
+    flat = surv.reshape(-1)
+    a, order = torch.sort(flat, descending=True, stable=True)
+    a = a.double()
+    s = a.cumsum(0)
+    n = torch.arange(1, a.numel() + 1, device=c.device, dtype=torch.float64)
+    step = base_cost + token_cost * n
+    ok = ((rows + s) / step > (rows + s - a) / (step - token_cost)) & (a > 0)
+    ok &= (step <= max_step_time) & (n <= max_tokens)
+    admitted = int(ok.int().cumprod(0).sum())  # length of the all-ok prefix
+    return torch.bincount(order[:admitted] // k, minlength=rows).to(torch.int32)

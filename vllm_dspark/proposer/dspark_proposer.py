@@ -18,13 +18,12 @@ import copy
 
 import torch
 from vllm.forward_context import set_forward_context
-from vllm.logger import init_logger
 from vllm.v1.spec_decode.dflash import DFlashProposer
 
-from vllm_dspark.config import parse_knobs
+from vllm_dspark.log import get_logger
 from vllm_dspark.sampling import RowParams, inverse_cdf_sample, processed_probs, row_uniforms
 
-logger = init_logger(__name__)
+logger = get_logger(__name__)
 
 
 def _as_method(vllm_config, method: str):
@@ -47,8 +46,7 @@ class DSparkProposer(DFlashProposer):
         self.speculative_config = vllm_config.speculative_config
         self.block_len = self.speculative_config.num_speculative_tokens  # K
         self.num_speculative_tokens = self.block_len - 1  # masks after the anchor
-        self.knobs = parse_knobs(vllm_config.additional_config)
-        self.last_confidence: torch.Tensor | None = None  # [B, K], this step's block
+        self.last_confidence: torch.Tensor | None = None  # [B, K] raw logits, this step's blocks
 
     def propose(
         self,
@@ -107,7 +105,7 @@ class DSparkProposer(DFlashProposer):
 
         hidden [B, K, H]; anchors [B]. Returns tokens [B, K] int64, draft
         probabilities [B, K, V] float32 (None if every request is greedy) and
-        confidences [B, K] float32."""
+        confidence logits [B, K] float32."""
         batch, k, h = hidden.shape
         base = self.model.compute_draft_logits(hidden.reshape(batch * k, h)).view(batch, k, -1)
         params = RowParams.from_metadata(sampling_metadata, batch, hidden.device)
@@ -129,7 +127,8 @@ class DSparkProposer(DFlashProposer):
             tokens.append(token)
             embeds.append(embed)
             prev = token
-        conf = self.model.compute_confidence(
+        # Raw logits: the controller calibrates them per position.
+        conf = self.model.model.confidence_head(
             hidden.reshape(batch * k, h), torch.stack(embeds, dim=1).reshape(batch * k, -1)
         ).view(batch, k).float()
         draft_probs = torch.stack(probs, dim=1) if sampled else None

@@ -3,12 +3,13 @@
 from vllm.v1.worker import cpu_worker
 
 from vllm_dspark.compat.ledger import check_hooks
+from vllm_dspark.workers import DSparkWorkerMixin
 from vllm_dspark.compat.patches import rebound
 
 check_hooks("worker", "cpu_worker")
 
 
-class DSparkCPUWorker(cpu_worker.CPUWorker):
+class DSparkCPUWorker(DSparkWorkerMixin, cpu_worker.CPUWorker):
     def init_device(self):
         from vllm_dspark.runner import DSparkCPUModelRunner
 

@@ -3,11 +3,12 @@
 from vllm.v1.worker import gpu_worker
 
 from vllm_dspark.compat.ledger import check_hooks
+from vllm_dspark.workers import DSparkWorkerMixin
 
 check_hooks("worker", "gpu_worker")
 
 
-class DSparkGPUWorker(gpu_worker.Worker):
+class DSparkGPUWorker(DSparkWorkerMixin, gpu_worker.Worker):
     def _make_model_runner(self):
         if self.use_v2_model_runner:
             return super()._make_model_runner()

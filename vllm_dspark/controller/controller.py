@@ -1,0 +1,203 @@
+"""DSparkController: each step, how many drafted tokens each request verifies.
+
+It runs in the worker, next to the runner, and sees per step:
+  * the scheduler's load (running, waiting, KV usage, tokens scheduled and the
+    headroom under max_num_batched_tokens), stamped on the SchedulerOutput;
+  * the measured time of each step (worker busy time plus the engine's gap
+    between steps), which trains the online cost model T(R, B);
+  * what verification did with last step's drafts, which trains the
+    per-position calibration of the confidence head;
+  * this step's fresh confidences for the blocks it must cut.
+
+Policies (additional_config["dspark"]["policy"]):
+  * full: verify the whole block;
+  * threshold: longest prefix with cumulative calibrated confidence >= threshold;
+  * adaptive (default): goodput-optimal lengths (ops.adaptive_lengths) for the
+    predicted cost of the next step, with an optional step-time cap from the
+    SLO floor and a token cap from the scheduler's headroom when requests wait.
+A request's own `dspark_max_verify` (SamplingParams.extra_args) caps it.
+Every input to the choice is known before the drafted tokens are looked at,
+and the per-position confidences come from earlier tokens only, so the lengths
+are non-anticipating and verification stays lossless.
+"""
+
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from vllm_dspark import ops
+from vllm_dspark.config import MAX_VERIFY_KEY, DSparkKnobs
+from vllm_dspark.controller.calibration import PositionCalibrator
+from vllm_dspark.controller.cost_model import OnlineCostModel
+from vllm_dspark.controller.signals import LoadSignals, load_of, prefill_tokens
+
+# Gaps between steps longer than this are idle time, not engine overhead.
+MAX_ENGINE_GAP_S = 0.05
+GAP_EMA = 0.9
+SAVE_EVERY_STEPS = 500
+
+
+@dataclass
+class StepRecord:
+    """What the controller did and saw in one step (for metrics and logs)."""
+
+    num_reqs: int = 0
+    num_tokens: int = 0
+    predicted_s: float | None = None
+    measured_s: float | None = None
+    budget: int = 0  # draft tokens chosen for verification next step
+    lengths: list[int] = field(default_factory=list)
+
+
+class DSparkController:
+    def __init__(self, knobs: DSparkKnobs, block_len: int, fingerprint: str = "",
+                 cache_dir: Path | None = None):
+        self.knobs = knobs
+        self.k = block_len
+        self.cost = OnlineCostModel(fingerprint, cache_dir if knobs.persist_cost_model else None)
+        # Acceptance means different things at temperature 0 (argmax match) and
+        # above (min(1, p/q)), so each mode gets its own calibration.
+        self.calibrators = ({"greedy": PositionCalibrator(block_len), "sampled": PositionCalibrator(block_len)}
+                            if knobs.calibration else None)
+        self.steps = 0
+        self.last = StepRecord()
+        self.totals = {"steps": 0, "budget_tokens": 0, "length_hist": [0] * (block_len + 1)}
+        # req id -> (raw logits of its verified prefix, greedy?) from the last choice
+        self._pending: dict[str, tuple[torch.Tensor, bool]] = {}
+        self._t_start: float | None = None
+        self._t_end_prev: float | None = None
+        self._gap_s = 0.0
+        self._load: LoadSignals | None = None
+        self._step_reqs = 0
+        self._step_tokens = 0
+        self._step_prefill = 0
+
+    # -- step boundaries ---------------------------------------------------
+    def step_started(self, scheduler_output) -> None:
+        now = time.perf_counter()
+        if self._t_end_prev is not None:
+            gap = now - self._t_end_prev
+            if gap < MAX_ENGINE_GAP_S:
+                self._gap_s = GAP_EMA * self._gap_s + (1 - GAP_EMA) * gap
+        self._t_start = now
+        self._load = load_of(scheduler_output)
+        self._step_reqs = len(scheduler_output.num_scheduled_tokens)
+        self._step_tokens = int(scheduler_output.total_num_scheduled_tokens)
+        self._step_prefill = prefill_tokens(scheduler_output)
+
+    def step_finished(self) -> None:
+        if self._t_start is None:
+            return
+        now = time.perf_counter()
+        seconds = now - self._t_start + self._gap_s
+        self._t_end_prev = now
+        self._t_start = None
+        if self._step_reqs == 0:
+            return
+        self.last.num_reqs, self.last.num_tokens = self._step_reqs, self._step_tokens
+        self.last.predicted_s = self.cost.params.predict(self._step_reqs, self._step_tokens)
+        self.last.measured_s = seconds
+        self.cost.observe(self._step_reqs, self._step_tokens, seconds)
+        self.steps += 1
+        if self.steps % SAVE_EVERY_STEPS == 0:
+            self.cost.save()
+
+    # -- verification outcomes --------------------------------------------
+    def verified(self, req_ids: list[str], num_verified: list[int], accepted: list[int]) -> None:
+        """What the sampler did with each request's drafts this step."""
+        pending, self._pending = self._pending, {}
+        if self.calibrators is None:
+            return
+        batches = {"greedy": ([], [], []), "sampled": ([], [], [])}
+        for rid, n, a in zip(req_ids, num_verified, accepted):
+            logits, greedy = pending.get(rid, (None, False))
+            if logits is None or n == 0 or logits.numel() < n:
+                continue
+            row = torch.zeros(self.k)
+            row[:n] = logits[:n]
+            rows, ver, acc = batches["greedy" if greedy else "sampled"]
+            rows.append(row)
+            ver.append(n)
+            acc.append(a)
+        for mode, (rows, ver, acc) in batches.items():
+            if rows:
+                self.calibrators[mode].observe(torch.stack(rows), torch.tensor(ver), torch.tensor(acc))
+
+    # -- the choice -------------------------------------------------------
+    def choose(self, req_ids: list[str], conf_logits: torch.Tensor, caps: list[int],
+               greedy: list[bool]) -> list[int]:
+        """Verify lengths [B] for this step's blocks (raw confidence logits [B, K])."""
+        conf = self.calibrated(conf_logits, greedy)
+        cap = torch.tensor(caps, dtype=torch.int32, device=conf.device).clamp(0, conf.shape[1])
+        policy = self.knobs.policy
+        if policy == "full":
+            lengths = cap
+        elif policy == "threshold":
+            lengths = ops.confidence_cutoff(conf, self.knobs.threshold, cap)
+        else:
+            lengths = self._adaptive(conf, cap)
+        out = lengths.tolist()
+        raw = conf_logits.detach().float().cpu()
+        for i, (rid, n) in enumerate(zip(req_ids, out)):
+            if n:
+                self._pending[rid] = (raw[i, :n], greedy[i])
+        self._record(out)
+        return out
+
+    def calibrated(self, conf_logits: torch.Tensor, greedy: list[bool]) -> torch.Tensor:
+        """Conditional acceptance probabilities [B, K] from raw logits."""
+        if self.calibrators is None:
+            return torch.sigmoid(conf_logits.float())
+        mask = torch.tensor(greedy, device=conf_logits.device)[:, None]
+        return torch.where(mask, self.calibrators["greedy"].calibrate(conf_logits),
+                           self.calibrators["sampled"].calibrate(conf_logits))
+
+    def _adaptive(self, conf: torch.Tensor, cap: torch.Tensor) -> torch.Tensor:
+        rows = conf.shape[0]
+        p = self.cost.params
+        load = self._load
+        # Next step: these requests decode (one slot each) next to about as
+        # many prompt tokens as this step ran.
+        base_tokens = rows + self._step_prefill
+        base_cost = p.predict(rows, base_tokens)
+        max_tokens = 1 << 30
+        if load is not None and load.waiting > 0:
+            # Requests are queued: drafts may only use budget prefills leave free.
+            max_tokens = max(0, load.token_budget - base_tokens)
+        slo = self.knobs.slo_tokens_per_s
+        max_step = 1.0 / slo if slo else math.inf
+        return ops.adaptive_lengths(conf, cap, base_cost, p.t_tok, max_step, max_tokens)
+
+    def _record(self, lengths: list[int]) -> None:
+        self.last.budget = sum(lengths)
+        self.last.lengths = lengths
+        self.totals["steps"] += 1
+        self.totals["budget_tokens"] += self.last.budget
+        for n in lengths:
+            self.totals["length_hist"][n] += 1
+
+    def request_caps(self, extra_args: list[dict | None]) -> list[int]:
+        """Per-request caps from SamplingParams.extra_args (validated at admission)."""
+        return [int((ea or {}).get(MAX_VERIFY_KEY, self.k)) for ea in extra_args]
+
+    def snapshot(self) -> dict:
+        """Everything /metrics and the periodic log show."""
+        return {
+            "steps": self.totals["steps"],
+            "budget_tokens_total": self.totals["budget_tokens"],
+            "last_budget": self.last.budget,
+            "length_hist": list(self.totals["length_hist"]),
+            "predicted_step_s": self.last.predicted_s,
+            "measured_step_s": self.last.measured_s,
+            "cost_model_mape": self.cost.mean_abs_pct_error,
+            "cost_params": vars(self.cost.params),
+            "calibration": ({m: c.state() for m, c in self.calibrators.items()}
+                            if self.calibrators else None),
+            "load": vars(self._load) if self._load else None,
+        }
+
+    def close(self) -> None:
+        self.cost.save()
