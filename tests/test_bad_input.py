@@ -46,10 +46,13 @@ CASES = {
                            r"num_speculative_tokens=8 is out of range.*1\.\.7"),
     "K below 1": (lambda tmp: {"num_speculative_tokens": 0}, None, r"num_speculative_tokens"),
     "unknown knob": (lambda tmp: {}, {"polcy": "full"},
-                     r"unknown key 'polcy'; valid keys are: policy, threshold"),
+                     r"unknown key 'polcy'; valid keys are: policy, threshold, slo_tokens_per_s"),
     "threshold out of range": (lambda tmp: {}, {"threshold": 1.5},
                                r"threshold: Input should be less than or equal to 1"),
-    "unknown policy": (lambda tmp: {}, {"policy": "sometimes"}, r"policy: Input should be 'full' or 'threshold'"),
+    "unknown policy": (lambda tmp: {}, {"policy": "sometimes"},
+                       r"policy: Input should be 'adaptive', 'full' or 'threshold'"),
+    "negative SLO": (lambda tmp: {}, {"slo_tokens_per_s": -5}, r"slo_tokens_per_s: Input should be greater than 0"),
+    "knobs not an object": (lambda tmp: {}, "fast", r'additional_config\["dspark"\] must be a JSON object'),
 }
 
 

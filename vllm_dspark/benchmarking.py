@@ -97,7 +97,7 @@ def measure_arm(label: str, target: str, prompts: list[str], concurrencies: list
         measure_offline(llm, prompts[:4], 4, 16)  # warm-up
         rows = []
         for c in concurrencies:
-            waves = max(4, 128 // c)
+            waves = max(4, 32 // c)
             before = spec_counters(llm)
             row = measure_offline(llm, prompts[: c * waves], c, max_tokens).as_dict()
             row["mean_accepted_length"] = mean_accepted_length(before, spec_counters(llm))

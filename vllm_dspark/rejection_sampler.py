@@ -79,7 +79,12 @@ class DSparkRejectionSampler(RejectionSampler):
             q_x = draft_probs.gather(1, safe[:, None]).squeeze(1) if draft_probs is not None else torch.ones_like(p_x)
             p_x = torch.where(valid, p_x, torch.zeros_like(p_x))
             accept_u = row_uniforms(counts, sampling_metadata.generators, device)
-            recover_u = row_uniforms([1] * num_reqs, sampling_metadata.generators, device)
+            # One more uniform per request that has drafts (a request without
+            # drafts draws nothing here, so its stream matches no speculation).
+            has = [1 if n else 0 for n in counts]
+            recover_u = torch.zeros(num_reqs, device=device)
+            recover_u[torch.tensor(has, dtype=torch.bool, device=device)] = row_uniforms(
+                has, sampling_metadata.generators, device)
         else:
             p = None
             p_x = q_x = accept_u = torch.zeros(drafts.shape[0], device=device)

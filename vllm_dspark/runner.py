@@ -56,19 +56,31 @@ class DSparkRunnerMixin:
 
     def sample_tokens(self, *args, **kwargs):
         out = super().sample_tokens(*args, **kwargs)
-        self.dspark.step_finished()
+        self.dspark.step_finished(self.drafter.last_draft_seconds, self.drafter.last_drafted_reqs)
+        self.drafter.last_draft_seconds, self.drafter.last_drafted_reqs = 0.0, 0
         self._dspark_snapshots.maybe_write(self.dspark.snapshot)
         every = self.dspark.knobs.log_every
         if every and self.dspark.steps and self.dspark.steps % every == 0:
             logger.info(summary_line(self.dspark.snapshot()))
         return out
 
-    def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, *args, **kwargs):
+    def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, sampling_metadata,
+                                hidden_states, sample_hidden_states, aux_hidden_states,
+                                spec_decode_metadata, common_attn_metadata, slot_mappings):
         req_ids = list(self.input_batch.req_ids)
         outcome = self.rejection_sampler.last_outcome
         if outcome is not None:
             self.dspark.verified(req_ids, *outcome)
-        drafts = super().propose_draft_token_ids(scheduler_output, sampled_token_ids, *args, **kwargs)
+        if self.dspark.should_skip_drafting(len(req_ids)):
+            # Speculation does not pay at this load: no block, no drafts; the
+            # drafter still takes in this step's tokens as context.
+            n = scheduler_output.total_num_scheduled_tokens
+            self.drafter.write_context(aux_hidden_states, self._get_positions(n),
+                                       common_attn_metadata.slot_mapping)
+            return [[] for _ in req_ids]
+        drafts = super().propose_draft_token_ids(
+            scheduler_output, sampled_token_ids, sampling_metadata, hidden_states, sample_hidden_states,
+            aux_hidden_states, spec_decode_metadata, common_attn_metadata, slot_mappings)
         confidence = self.drafter.last_confidence
         self.drafter.last_confidence = None
         if not torch.is_tensor(drafts) or confidence is None:

@@ -44,6 +44,7 @@ def nospec_reference(identity_prompts):
         second = llm.generate(identity_prompts[:8], greedy_params(48), use_tqdm=False)
         alone = [llm.generate([p], greedy_params(48), use_tqdm=False)[0] for p in identity_prompts[:2]]
         workers = llm.collective_rpc(lambda self: __import__("vllm_dspark.plugin").plugin.registration_info())
+        seeded = llm.generate(identity_prompts[:2], seeded_params(), use_tqdm=False)
     finally:
         stop_engine(llm)
     return {
@@ -52,4 +53,11 @@ def nospec_reference(identity_prompts):
         "second_48": [list(o.outputs[0].token_ids) for o in second],
         "alone_48": [list(o.outputs[0].token_ids) for o in alone],
         "workers": workers,
+        "seeded": [list(o.outputs[0].token_ids) for o in seeded],
     }
+
+
+def seeded_params(**kw):
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=1.0, top_p=0.95, seed=1234, max_tokens=48, ignore_eos=True, **kw)

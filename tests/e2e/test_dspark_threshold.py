@@ -26,3 +26,4 @@ def test_threshold_verifies_fewer_tokens_and_stays_exact(llm, identity_prompts, 
     # The cut-off keeps the tokens most likely to pass: a higher acceptance rate
     # than full blocks (about 0.21 = 1.5 / 7 there).
     assert accept_rate > 0.3, accept_rate
+

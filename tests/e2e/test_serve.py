@@ -71,3 +71,23 @@ def test_serve_greedy_identical(server, identity_prompts, nospec_reference):
     drafts = [float(line.split()[-1]) for line in metrics.splitlines()
               if line.startswith("vllm:spec_decode_num_drafts_total")]
     assert drafts and drafts[0] > 0, "the server must have run speculative decoding"
+    # The controller's own metrics ride on the same /metrics (snapshots are
+    # written at most every 0.5 s, so allow a moment).
+    time.sleep(1.0)
+    metrics = requests.get(f"{server}/metrics", timeout=30).text
+    for name in ("vllm_dspark:verify_budget_tokens_total", "vllm_dspark:verify_length_bucket",
+                 'vllm_dspark:step_time_seconds{kind="predicted"}', "vllm_dspark:cost_model_error_percent",
+                 "vllm_dspark:calibration_ece"):
+        assert name in metrics, name
+    total = [float(line.split()[-1]) for line in metrics.splitlines()
+             if line.startswith("vllm_dspark:verify_budget_tokens_total")]
+    assert total and total[0] > 0
+
+
+def test_serve_rejects_bad_override_with_400(server, identity_prompts):
+    body = {"model": str(TARGET_DIR), "prompt": identity_prompts[0], "max_tokens": 4,
+            "vllm_xargs": {"dspark_max_verify": 99}}
+    resp = requests.post(f"{server}/v1/completions", json=body, timeout=60)
+    assert resp.status_code == 400 and "dspark_max_verify" in resp.text, resp.text
+    ok = requests.post(f"{server}/v1/completions", json={**body, "vllm_xargs": {"dspark_max_verify": 3}}, timeout=60)
+    assert ok.status_code == 200, ok.text

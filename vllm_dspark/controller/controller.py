@@ -4,7 +4,9 @@ It runs in the worker, next to the runner, and sees per step:
   * the scheduler's load (running, waiting, KV usage, tokens scheduled and the
     headroom under max_num_batched_tokens), stamped on the SchedulerOutput;
   * the measured time of each step (worker busy time plus the engine's gap
-    between steps), which trains the online cost model T(R, B);
+    between steps), split into the drafter's share and the rest. Two online
+    cost models learn them: T_target(R, B) for the target step with B tokens
+    and T_draft(R) for drafting R blocks. A DSpark step costs their sum;
   * what verification did with last step's drafts, which trains the
     per-position calibration of the confidence head;
   * this step's fresh confidences for the blocks it must cut.
@@ -14,7 +16,11 @@ Policies (additional_config["dspark"]["policy"]):
   * threshold: longest prefix with cumulative calibrated confidence >= threshold;
   * adaptive (default): goodput-optimal lengths (ops.adaptive_lengths) for the
     predicted cost of the next step, with an optional step-time cap from the
-    SLO floor and a token cap from the scheduler's headroom when requests wait.
+    SLO floor and a token cap from the scheduler's headroom when requests wait;
+    and when even the best lengths would not pay for the drafting itself
+    (predicted goodput with speculation below the plain step's), the drafter
+    is skipped for the step (it still writes its context KV), with a probe
+    step now and then to keep the estimates fresh.
 A request's own `dspark_max_verify` (SamplingParams.extra_args) caps it.
 Every input to the choice is known before the drafted tokens are looked at,
 and the per-position confidences come from earlier tokens only, so the lengths
@@ -23,6 +29,7 @@ are non-anticipating and verification stays lossless.
 
 import math
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,13 +38,17 @@ import torch
 from vllm_dspark import ops
 from vllm_dspark.config import MAX_VERIFY_KEY, DSparkKnobs
 from vllm_dspark.controller.calibration import PositionCalibrator
-from vllm_dspark.controller.cost_model import OnlineCostModel
+from vllm_dspark.controller.cost_model import ERROR_WINDOW, OnlineCostModel
 from vllm_dspark.controller.signals import LoadSignals, load_of, prefill_tokens
 
 # Gaps between steps longer than this are idle time, not engine overhead.
 MAX_ENGINE_GAP_S = 0.05
 GAP_EMA = 0.9
 SAVE_EVERY_STEPS = 500
+# While the predicted budget is zero, drafting is skipped, except one probe
+# step in this many, which refreshes the survival estimate.
+PROBE_EVERY = 8
+SURVIVAL_EMA = 0.8
 
 
 @dataclass
@@ -57,14 +68,20 @@ class DSparkController:
                  cache_dir: Path | None = None):
         self.knobs = knobs
         self.k = block_len
-        self.cost = OnlineCostModel(fingerprint, cache_dir if knobs.persist_cost_model else None)
+        cache = cache_dir if knobs.persist_cost_model else None
+        self.cost = OnlineCostModel(f"{fingerprint}-target" if fingerprint else "", cache)
+        self.draft_cost = OnlineCostModel(f"{fingerprint}-draft" if fingerprint else "", cache)
         # Acceptance means different things at temperature 0 (argmax match) and
         # above (min(1, p/q)), so each mode gets its own calibration.
         self.calibrators = ({"greedy": PositionCalibrator(block_len), "sampled": PositionCalibrator(block_len)}
                             if knobs.calibration else None)
         self.steps = 0
         self.last = StepRecord()
-        self.totals = {"steps": 0, "budget_tokens": 0, "length_hist": [0] * (block_len + 1)}
+        self.totals = {"steps": 0, "budget_tokens": 0, "length_hist": [0] * (block_len + 1),
+                       "skipped_steps": 0}
+        self._mean_surv: torch.Tensor | None = None  # EMA of mean calibrated confidence per position
+        self._step_errors: deque[float] = deque(maxlen=ERROR_WINDOW)  # whole-step prediction error
+        self._skips_in_row = 0
         # req id -> (raw logits of its verified prefix, greedy?) from the last choice
         self._pending: dict[str, tuple[torch.Tensor, bool]] = {}
         self._t_start: float | None = None
@@ -88,7 +105,9 @@ class DSparkController:
         self._step_tokens = int(scheduler_output.total_num_scheduled_tokens)
         self._step_prefill = prefill_tokens(scheduler_output)
 
-    def step_finished(self) -> None:
+    def step_finished(self, draft_seconds: float, drafted_reqs: int) -> None:
+        """End of a step; ``draft_seconds`` of it went to drafting ``drafted_reqs``
+        blocks (0 when the drafter was skipped)."""
         if self._t_start is None:
             return
         now = time.perf_counter()
@@ -97,13 +116,19 @@ class DSparkController:
         self._t_start = None
         if self._step_reqs == 0:
             return
-        self.last.num_reqs, self.last.num_tokens = self._step_reqs, self._step_tokens
-        self.last.predicted_s = self.cost.params.predict(self._step_reqs, self._step_tokens)
-        self.last.measured_s = seconds
-        self.cost.observe(self._step_reqs, self._step_tokens, seconds)
+        r, b = self._step_reqs, self._step_tokens
+        predicted = self.cost.params.predict(r, b)
+        if drafted_reqs:
+            predicted += self.draft_cost.params.predict(drafted_reqs, drafted_reqs * self.k)
+            self.draft_cost.observe(drafted_reqs, drafted_reqs * self.k, draft_seconds)
+        self.cost.observe(r, b, max(seconds - draft_seconds, 1e-6))
+        self.last.num_reqs, self.last.num_tokens = r, b
+        self.last.predicted_s, self.last.measured_s = predicted, seconds
+        self._step_errors.append(abs(predicted - seconds) / seconds)
         self.steps += 1
         if self.steps % SAVE_EVERY_STEPS == 0:
             self.cost.save()
+            self.draft_cost.save()
 
     # -- verification outcomes --------------------------------------------
     def verified(self, req_ids: list[str], num_verified: list[int], accepted: list[int]) -> None:
@@ -131,6 +156,9 @@ class DSparkController:
                greedy: list[bool]) -> list[int]:
         """Verify lengths [B] for this step's blocks (raw confidence logits [B, K])."""
         conf = self.calibrated(conf_logits, greedy)
+        mean = conf.detach().float().mean(0).cpu()
+        self._mean_surv = mean if self._mean_surv is None else (
+            SURVIVAL_EMA * self._mean_surv + (1 - SURVIVAL_EMA) * mean)
         cap = torch.tensor(caps, dtype=torch.int32, device=conf.device).clamp(0, conf.shape[1])
         policy = self.knobs.policy
         if policy == "full":
@@ -155,21 +183,24 @@ class DSparkController:
         return torch.where(mask, self.calibrators["greedy"].calibrate(conf_logits),
                            self.calibrators["sampled"].calibrate(conf_logits))
 
+    def _step_costs(self, rows: int) -> tuple[float, float, float]:
+        """(plain step, drafting, per verified token) seconds predicted for the
+        next step with ``rows`` decoding requests beside this step's prompt work."""
+        p = self.cost.params
+        plain = p.predict(rows, rows + self._step_prefill)
+        return plain, self.draft_cost.params.predict(rows, rows * self.k), p.t_tok
+
     def _adaptive(self, conf: torch.Tensor, cap: torch.Tensor) -> torch.Tensor:
         rows = conf.shape[0]
-        p = self.cost.params
+        plain, draft, per_token = self._step_costs(rows)
         load = self._load
-        # Next step: these requests decode (one slot each) next to about as
-        # many prompt tokens as this step ran.
-        base_tokens = rows + self._step_prefill
-        base_cost = p.predict(rows, base_tokens)
         max_tokens = 1 << 30
         if load is not None and load.waiting > 0:
             # Requests are queued: drafts may only use budget prefills leave free.
-            max_tokens = max(0, load.token_budget - base_tokens)
+            max_tokens = max(0, load.token_budget - rows - self._step_prefill)
         slo = self.knobs.slo_tokens_per_s
         max_step = 1.0 / slo if slo else math.inf
-        return ops.adaptive_lengths(conf, cap, base_cost, p.t_tok, max_step, max_tokens)
+        return ops.adaptive_lengths(conf, cap, plain + draft, per_token, max_step, max_tokens)
 
     def _record(self, lengths: list[int]) -> None:
         self.last.budget = sum(lengths)
@@ -178,6 +209,28 @@ class DSparkController:
         self.totals["budget_tokens"] += self.last.budget
         for n in lengths:
             self.totals["length_hist"][n] += 1
+
+    def should_skip_drafting(self, num_reqs: int) -> bool:
+        """Skip the drafter this step? Only under policy=adaptive, when the
+        goodput predicted with speculation (best lengths for recent confidences,
+        drafting included) does not beat a plain step's. The drafter then only
+        writes its context KV. Decided from past steps only: non-anticipating."""
+        if self.knobs.policy != "adaptive" or self._mean_surv is None or num_reqs == 0:
+            return False
+        conf = self._mean_surv.expand(num_reqs, -1)
+        lengths = self._adaptive(conf, torch.full((num_reqs,), self.k, dtype=torch.int32))
+        n = int(lengths.sum())
+        surv = torch.cumprod(conf.clamp(0, 1), dim=1)
+        gain = float(surv[torch.arange(self.k)[None, :] < lengths[:, None]].sum())
+        plain, draft, per_token = self._step_costs(num_reqs)
+        spec_rate = (num_reqs + gain) / (plain + draft + per_token * n)
+        if spec_rate > num_reqs / plain or self._skips_in_row >= PROBE_EVERY - 1:
+            self._skips_in_row = 0
+            return False
+        self._skips_in_row += 1
+        self.totals["skipped_steps"] += 1
+        self.last.budget = 0
+        return True
 
     def request_caps(self, extra_args: list[dict | None]) -> list[int]:
         """Per-request caps from SamplingParams.extra_args (validated at admission)."""
@@ -190,10 +243,13 @@ class DSparkController:
             "budget_tokens_total": self.totals["budget_tokens"],
             "last_budget": self.last.budget,
             "length_hist": list(self.totals["length_hist"]),
+            "skipped_steps": self.totals["skipped_steps"],
             "predicted_step_s": self.last.predicted_s,
             "measured_step_s": self.last.measured_s,
-            "cost_model_mape": self.cost.mean_abs_pct_error,
+            "cost_model_mape": (100.0 * sum(self._step_errors) / len(self._step_errors)
+                                if self._step_errors else None),
             "cost_params": vars(self.cost.params),
+            "draft_cost_params": vars(self.draft_cost.params),
             "calibration": ({m: c.state() for m, c in self.calibrators.items()}
                             if self.calibrators else None),
             "load": vars(self._load) if self._load else None,
@@ -201,3 +257,4 @@ class DSparkController:
 
     def close(self) -> None:
         self.cost.save()
+        self.draft_cost.save()

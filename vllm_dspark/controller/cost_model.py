@@ -4,8 +4,11 @@
 
 R is the number of requests in the step and B the tokens the target runs
 (verified drafts, bonus slots and prefill chunks). The coefficients come from
-recursive least squares with exponential forgetting, so the model follows the
-machine when the curve shifts (another process takes the CPU, clocks change).
+exponentially weighted least squares (old steps fade out, so the model follows
+the machine when the curve shifts: another process takes the CPU, clocks
+change) with a constant ridge pull toward a weak prior. The ridge keeps
+directions the traffic does not excite (R constant at batch 1, say) from
+drifting, where plain recursive least squares with forgetting winds up.
 No offline profiling: it starts from a saved fit for the same hardware/model
 fingerprint if there is one, else from a weak prior, and is usable after a few
 dozen steps. The fit is saved as JSON under that fingerprint.
@@ -24,14 +27,17 @@ import torch
 
 # Forgetting factor: observations older than ~1/(1-lambda) steps fade out.
 FORGETTING = 0.99
-# Prior: 5 ms per step, 0.1 ms per request, 0.1 ms per token; weak (P0 large).
+# Prior: 5 ms per step, 0.1 ms per request, 0.1 ms per token, and its weight
+# in units of observations (per coefficient, on feature scales below).
 PRIOR = (5e-3, 1e-4, 1e-4)
-PRIOR_VARIANCE = 1e2
+PRIOR_WEIGHT = 0.01
+# Features are [1, R / 64, B / 512] so the three coefficients are of similar size.
+FEATURE_SCALE = (1.0, 64.0, 512.0)
 # Steps whose time exceeds this multiple of the prediction are stalls (GC, a
 # neighbour burst, a blocked queue): they update the error statistics but not
 # the fit.
 OUTLIER_RATIO = 4.0
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 # The reported error is over this many recent steps (the early steps, made
 # with the prior, say little about the fit).
 ERROR_WINDOW = 500
@@ -55,8 +61,12 @@ class OnlineCostModel:
         self.fingerprint = fingerprint
         self.path = (cache_dir / f"cost_model_{fingerprint}.json") if cache_dir and fingerprint else None
         self.forgetting = forgetting
-        self.theta = torch.tensor(PRIOR, dtype=torch.float64)
-        self.cov = torch.eye(3, dtype=torch.float64) * PRIOR_VARIANCE
+        scale = torch.tensor(FEATURE_SCALE, dtype=torch.float64)
+        self._scale = scale
+        self._prior = torch.tensor(PRIOR, dtype=torch.float64) * scale  # in scaled units
+        self.xtx = torch.zeros(3, 3, dtype=torch.float64)  # decayed sum of x x^T
+        self.xty = torch.zeros(3, dtype=torch.float64)  # decayed sum of x y
+        self.theta = self._prior.clone()
         self.observations = 0
         self.errors: deque[float] = deque(maxlen=ERROR_WINDOW)  # |pred - measured| / measured
         self.loaded_from: str | None = None
@@ -66,7 +76,7 @@ class OnlineCostModel:
     # -- fitting ----------------------------------------------------------
     @property
     def params(self) -> CostParams:
-        t0, tr, tt = (float(x) for x in self.theta)
+        t0, tr, tt = (float(x) for x in self.theta / self._scale)
         # Physical floor: a step never gets cheaper with more work.
         return CostParams(max(t0, 1e-6), max(tr, 0.0), max(tt, 1e-7))
 
@@ -78,13 +88,16 @@ class OnlineCostModel:
         self.errors.append(rel_err)
         if self.observations > 20 and seconds > OUTLIER_RATIO * pred:
             return rel_err
-        x = torch.tensor([1.0, float(num_reqs), float(num_tokens)], dtype=torch.float64)
-        px = self.cov @ x
-        gain = px / (self.forgetting + x @ px)
-        self.theta = self.theta + gain * (seconds - x @ self.theta)
-        self.cov = (self.cov - torch.outer(gain, px)) / self.forgetting
+        x = torch.tensor([1.0, num_reqs, num_tokens], dtype=torch.float64) / self._scale
+        self.xtx = self.forgetting * self.xtx + torch.outer(x, x)
+        self.xty = self.forgetting * self.xty + x * seconds
+        self._solve()
         self.observations += 1
         return rel_err
+
+    def _solve(self) -> None:
+        ridge = PRIOR_WEIGHT * torch.eye(3, dtype=torch.float64)
+        self.theta = torch.linalg.solve(self.xtx + ridge, self.xty + ridge @ self._prior)
 
     @property
     def mean_abs_pct_error(self) -> float | None:
@@ -98,7 +111,7 @@ class OnlineCostModel:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         data = {"schema_version": SCHEMA_VERSION, "fingerprint": self.fingerprint,
-                "theta": self.theta.tolist(), "cov": self.cov.tolist(),
+                "xtx": self.xtx.tolist(), "xty": self.xty.tolist(),
                 "observations": self.observations, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
         fd, tmp = tempfile.mkstemp(dir=self.path.parent, suffix=".tmp")
         with os.fdopen(fd, "w") as fh:
@@ -110,15 +123,17 @@ class OnlineCostModel:
             data = json.loads(self.path.read_text())
             if data.get("schema_version") != SCHEMA_VERSION or data.get("fingerprint") != self.fingerprint:
                 return
-            theta = torch.tensor(data["theta"], dtype=torch.float64)
-            cov = torch.tensor(data["cov"], dtype=torch.float64)
-            if theta.shape != (3,) or cov.shape != (3, 3) or not torch.isfinite(theta).all():
+            xtx = torch.tensor(data["xtx"], dtype=torch.float64)
+            xty = torch.tensor(data["xty"], dtype=torch.float64)
+            if xtx.shape != (3, 3) or xty.shape != (3,) or not (torch.isfinite(xtx).all() and torch.isfinite(xty).all()):
                 return
         except (OSError, ValueError, KeyError, TypeError):
             return  # a damaged cache is ignored, never fatal
-        self.theta, self.cov = theta, cov
-        # Trust the saved fit, but let new data move it quickly.
-        self.cov = self.cov * 10.0
+        # Start from the saved fit, weighted like a short history, so new data
+        # takes over quickly if the machine has changed.
+        weight = min(1.0, 50.0 / max(float(xtx[0, 0]), 1e-9))
+        self.xtx, self.xty = xtx * weight, xty * weight
+        self._solve()
         self.observations = int(data.get("observations", 0))
         self.loaded_from = str(self.path)
 

@@ -15,13 +15,14 @@ cut-off decided from it non-anticipating.
 """
 
 import copy
+import time
 
 import torch
 from vllm.forward_context import set_forward_context
 from vllm.v1.spec_decode.dflash import DFlashProposer
 
 from vllm_dspark.log import get_logger
-from vllm_dspark.sampling import RowParams, inverse_cdf_sample, processed_probs, row_uniforms
+from vllm_dspark.sampling import RowParams, inverse_cdf_sample, processed_probs
 
 logger = get_logger(__name__)
 
@@ -47,6 +48,8 @@ class DSparkProposer(DFlashProposer):
         self.block_len = self.speculative_config.num_speculative_tokens  # K
         self.num_speculative_tokens = self.block_len - 1  # masks after the anchor
         self.last_confidence: torch.Tensor | None = None  # [B, K] raw logits, this step's blocks
+        self.last_draft_seconds = 0.0  # time of the skippable part (block forward + heads)
+        self.last_drafted_reqs = 0
 
     def propose(
         self,
@@ -83,6 +86,7 @@ class DSparkProposer(DFlashProposer):
         _, per_layer = self.build_per_group_and_layer_attn_metadata(cad)
         mode, num_input, across_dp = self._determine_batch_execution_and_padding(num_tokens)
         inputs, slot_size = self.build_model_inputs_first_pass(num_tokens, num_input, None)
+        t0 = time.perf_counter()
         with set_forward_context(
             per_layer,
             self.vllm_config,
@@ -97,7 +101,20 @@ class DSparkProposer(DFlashProposer):
         tokens, probs, conf = self._sample_block(hidden, next_token_ids[:batch].long(), sampling_metadata)
         self._last_draft_probs = probs
         self.last_confidence = conf
+        self.last_draft_seconds, self.last_drafted_reqs = time.perf_counter() - t0, batch
         return tokens
+
+    @torch.inference_mode()
+    def write_context(self, aux_hidden_states: list[torch.Tensor], positions: torch.Tensor,
+                      slot_mapping: torch.Tensor) -> None:
+        """A step without drafting: only write the step's tokens into the
+        drafter's context KV cache (fused target features -> K/V of every draft
+        layer), so the drafter has no hole in its context when drafting
+        resumes. Costs one small GEMM per layer instead of a block forward."""
+        n = positions.shape[0]
+        features = torch.cat([h[:n] for h in aux_hidden_states], dim=-1)
+        self.model.precompute_and_store_context_kv(
+            self.model.combine_hidden_states(features), positions, slot_mapping[:n])
 
     @torch.inference_mode()
     def _sample_block(self, hidden: torch.Tensor, anchors: torch.Tensor, sampling_metadata):
@@ -112,10 +129,10 @@ class DSparkProposer(DFlashProposer):
         sampled = params.any_random
         prev = anchors
         tokens, probs, embeds = [], [], []
-        uniforms = (
-            row_uniforms([k] * batch, sampling_metadata.generators, hidden.device).view(batch, k)
-            if sampled else None
-        )
+        # The draft's own draws come from the global RNG, never from a seeded
+        # request's generator: a request that ends up verifying nothing then
+        # consumes exactly the draws it would without speculation.
+        uniforms = torch.rand(batch, k, device=hidden.device) if sampled else None
         for i in range(k):
             embed = self.model.markov_embed(prev)
             logits = base[:, i].float() + self.model.markov_bias(embed).float()

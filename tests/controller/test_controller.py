@@ -1,0 +1,50 @@
+"""DSparkController without vLLM: policies, caps and per-request bookkeeping."""
+
+import pytest
+import torch
+
+from vllm_dspark.config import DSparkKnobs
+from vllm_dspark.controller.controller import DSparkController
+
+
+def _ctl(**knobs):
+    return DSparkController(DSparkKnobs(persist_cost_model=False, **knobs), block_len=4)
+
+
+def test_policies_and_caps():
+    logits = torch.tensor([[4.0, 4.0, 4.0, 4.0], [-4.0, 4.0, 4.0, 4.0]])
+    greedy = [True, True]
+    assert _ctl(policy="full").choose(["a", "b"], logits, [4, 2], greedy) == [4, 2]
+    assert _ctl(policy="threshold", threshold=0.5).choose(["a", "b"], logits, [4, 4], greedy) == [4, 0]
+    assert _ctl(policy="adaptive").choose(["a", "b"], logits, [0, 4], greedy)[0] == 0  # dspark_max_verify=0
+
+
+def test_request_caps_from_extra_args():
+    ctl = _ctl()
+    assert ctl.request_caps([None, {}, {"dspark_max_verify": 2}, {"other": 1}]) == [4, 4, 2, 4]
+
+
+def test_outcomes_follow_request_ids_across_reordering():
+    """Rows reorder between steps (vLLM condenses its batch); outcomes must be
+    matched to the confidences of the same request."""
+    ctl = _ctl(policy="full")
+    logits = torch.tensor([[5.0, 5.0, 5.0, 5.0], [-5.0, -5.0, -5.0, -5.0]])
+    ctl.choose(["sure", "hopeless"], logits, [4, 4], [True, True])
+    # next step, the batch lists them the other way round
+    ctl.verified(["hopeless", "sure"], [4, 4], [0, 4])
+    bins = ctl.calibrators["greedy"].bins["raw"]
+    # position 0: a confident accept (top bin, outcome 1) and a doubtful reject (bottom bin, outcome 0)
+    assert bins[0, -1].tolist() == pytest.approx([1.0, float(torch.sigmoid(torch.tensor(5.0))), 1.0])
+    assert bins[0, 0].tolist()[::2] == [1.0, 0.0]
+    assert ctl._pending == {}  # nothing carried past the step that used it
+
+
+def test_adaptive_shrinks_under_token_cost():
+    ctl = _ctl()
+    logits = torch.full((16, 4), 1.0)  # ~0.73 per position
+    cheap = sum(ctl.choose([str(i) for i in range(16)], logits, [4] * 16, [True] * 16))
+    for _ in range(300):  # the machine turns out to pay 2 ms per token
+        ctl.cost.observe(16, 64, 5e-3 + 2e-3 * 64)
+        ctl.cost.observe(16, 16, 5e-3 + 2e-3 * 16)
+    dear = sum(ctl.choose([str(i) for i in range(16)], logits, [4] * 16, [True] * 16))
+    assert dear < cheap

@@ -1,0 +1,76 @@
+"""The online step-time model on synthetic curves (seeded noise, no timing)."""
+
+import json
+
+import torch
+
+from vllm_dspark.controller.cost_model import OnlineCostModel
+
+
+def _curve(model, t0, tr, tt, steps, gen, noise=0.03):
+    errs = []
+    for _ in range(steps):
+        r = int(torch.randint(1, 65, (1,), generator=gen))
+        b = r * int(torch.randint(1, 9, (1,), generator=gen)) + int(torch.randint(0, 64, (1,), generator=gen))
+        true = t0 + tr * r + tt * b
+        errs.append(model.observe(r, b, true * (1 + noise * float(torch.randn(1, generator=gen)))))
+    return errs
+
+
+def _max_rel_error(model, t0, tr, tt):
+    grid = [(r, r * k) for r in (1, 4, 16, 64) for k in (1, 4, 8)]
+    return max(abs(model.params.predict(r, b) - (t0 + tr * r + tt * b)) / (t0 + tr * r + tt * b)
+               for r, b in grid)
+
+
+def test_learns_a_curve_online():
+    gen = torch.Generator().manual_seed(0)
+    m = OnlineCostModel()
+    _curve(m, 4e-3, 2e-4, 6e-5, 400, gen)
+    assert _max_rel_error(m, 4e-3, 2e-4, 6e-5) < 0.1
+    assert m.mean_abs_pct_error < 10
+
+
+def test_follows_a_shift():
+    """Another process takes the CPU: everything gets 2x slower; the model
+    follows within a few hundred steps."""
+    gen = torch.Generator().manual_seed(1)
+    m = OnlineCostModel()
+    _curve(m, 4e-3, 2e-4, 6e-5, 400, gen)
+    errs = _curve(m, 8e-3, 4e-4, 1.2e-4, 400, gen)
+    assert max(errs[:5]) > 0.3  # the shift is visible...
+    assert sum(errs[-100:]) / 100 < 0.06  # ...and learned
+
+
+def test_no_windup_when_the_load_never_changes():
+    """Batch 1 forever (R constant): the fit must stay sane, not drift."""
+    gen = torch.Generator().manual_seed(4)
+    m = OnlineCostModel()
+    for _ in range(3000):
+        b = 1 + int(torch.randint(0, 8, (1,), generator=gen))
+        m.observe(1, b, (4e-3 + 1.3e-4 * b) * (1 + 0.05 * float(torch.randn(1, generator=gen))))
+    assert abs(m.params.predict(1, 4) - (4e-3 + 1.3e-4 * 4)) / 4.5e-3 < 0.05
+    assert m.mean_abs_pct_error < 10
+
+
+def test_ignores_stalls():
+    gen = torch.Generator().manual_seed(2)
+    m = OnlineCostModel()
+    _curve(m, 4e-3, 2e-4, 6e-5, 200, gen)
+    before = m.params
+    for _ in range(5):
+        m.observe(16, 64, 1.0)  # a 1 s stall
+    assert abs(m.params.t0 - before.t0) / before.t0 < 0.01
+
+
+def test_persists_under_fingerprint(tmp_path):
+    gen = torch.Generator().manual_seed(3)
+    m = OnlineCostModel("abc", tmp_path)
+    _curve(m, 4e-3, 2e-4, 6e-5, 300, gen)
+    m.save()
+    again = OnlineCostModel("abc", tmp_path)
+    assert again.loaded_from and _max_rel_error(again, 4e-3, 2e-4, 6e-5) < 0.1
+    assert OnlineCostModel("other", tmp_path).loaded_from is None
+    (tmp_path / "cost_model_abc.json").write_text(json.dumps({"schema_version": 2, "fingerprint": "abc",
+                                                              "xtx": [1, 2], "xty": []}))
+    assert OnlineCostModel("abc", tmp_path).loaded_from is None  # damaged: ignored, not fatal
