@@ -57,6 +57,30 @@ def twin_cost_us(requests: int = 64, k: int = 7, reps: int = 500) -> float:
     return (time.perf_counter() - t0) / reps * 1e6
 
 
+def check_targets(arms: dict) -> dict:
+    """Issue targets: adaptive >= 0.97x the best other arm at every concurrency;
+    >= 1.2x full K=7 at the highest concurrency where K=7 is below no-spec."""
+    rate = {name: {r["concurrency"]: r["tokens_per_s"] for r in rows} for name, rows in arms.items()}
+    adaptive = rate["dspark-adaptive"]
+    lines, ratios = [], {}
+    for c, value in adaptive.items():
+        best_name, best = max(((n, v[c]) for n, v in rate.items() if n != "dspark-adaptive"),
+                              key=lambda kv: kv[1])
+        ratios[c] = value / best
+        lines.append(f"c={c}: adaptive {value:.0f} tok/s = {ratios[c]:.2f}x the best other arm "
+                     f"({best_name}, {best:.0f}) {'OK' if ratios[c] >= 0.97 else 'MISS'}")
+    out = {"vs_best_other": ratios, "lines": lines}
+    if "nospec" in rate and "dspark-k7" in rate:
+        losing = [c for c in adaptive if rate["dspark-k7"][c] < rate["nospec"][c]]
+        if losing:
+            c = max(losing)
+            r = adaptive[c] / rate["dspark-k7"][c]
+            out["vs_k7_where_k7_loses"] = {"concurrency": c, "ratio": r}
+            lines.append(f"c={c} (highest where K=7 < no-spec): adaptive = {r:.2f}x K=7 "
+                         f"{'OK' if r >= 1.2 else 'MISS'}")
+    return out
+
+
 def plot(record: dict, path: Path) -> None:
     import matplotlib
 
@@ -113,6 +137,10 @@ def main(argv=None) -> dict:
             if r["concurrency"] in base:
                 r["speedup_vs_nospec"] = r["tokens_per_s"] / base[r["concurrency"]]
     record["adaptive_twin_us_per_step_at_64"] = twin_cost_us()
+    if "dspark-adaptive" in record["arms"]:
+        record["targets"] = check_targets(record["arms"])
+        for line in record["targets"]["lines"]:
+            print(f"[bench] {line}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=2) + "\n")
     plot(record, args.out.with_suffix(".png"))

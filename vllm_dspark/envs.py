@@ -49,11 +49,6 @@ ENV_VARS: dict[str, tuple[Callable[[], Any], str]] = {
         lambda: os.path.expanduser(os.environ.get("VLLM_DSPARK_CACHE_DIR", "~/.cache/vllm_dspark")),
         "Where learned step-time models are saved (one JSON per hardware/model fingerprint).",
     ),
-    "VLLM_DSPARK_METRICS_DIR": (
-        lambda: os.environ.get("VLLM_DSPARK_METRICS_DIR") or None,
-        "Set by the plugin in the serving process: where workers leave metric snapshots "
-        "for /metrics. Leave unset.",
-    ),
     "VLLM_DSPARK_OPS": (
         _choice("VLLM_DSPARK_OPS", "auto", ("auto", "triton", "reference")),
         "Kernel choice: auto (Triton on CUDA tensors, torch twin elsewhere), "

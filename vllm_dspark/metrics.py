@@ -1,10 +1,11 @@
 """DSpark metrics on vLLM's Prometheus /metrics, and the periodic log line.
 
 The controller lives in the worker process; /metrics is served by the API
-server process. The worker leaves a small JSON snapshot in a directory the
-serving process created (VLLM_DSPARK_METRICS_DIR, inherited by the engine's
-processes), at most every SNAPSHOT_INTERVAL_S; a Prometheus collector in the
-serving process turns the newest snapshots into metrics at scrape time.
+server process. A daemon thread in the worker leaves a small JSON snapshot
+every SNAPSHOT_INTERVAL_S in a directory named after the engine's
+instance_id (which the worker's VllmConfig carries from the serving
+process), and a Prometheus collector registered in the serving process when
+it builds that config turns the newest snapshot into metrics at scrape time.
 
 Exported (all prefixed vllm_dspark:):
   verify_budget_tokens          gauge    draft tokens chosen for the last step
@@ -18,24 +19,39 @@ Exported (all prefixed vllm_dspark:):
 import json
 import os
 import tempfile
+import threading
 import time
 from pathlib import Path
 
-SNAPSHOT_INTERVAL_S = 0.5
+SNAPSHOT_INTERVAL_S = 0.25
 PREFIX = "vllm_dspark:"
 
 
-class SnapshotWriter:
-    def __init__(self, directory: str | None, rank: int):
-        self.path = Path(directory) / f"worker-{rank}.json" if directory else None
-        self._last = 0.0
+def snapshot_dir(instance_id: str) -> Path:
+    return Path(tempfile.gettempdir()) / "vllm_dspark_metrics" / instance_id
 
-    def maybe_write(self, snapshot_fn) -> None:
-        now = time.monotonic()
-        if self.path is None or now - self._last < SNAPSHOT_INTERVAL_S:
-            return
-        self._last = now
-        write_json_atomic(self.path, snapshot_fn())
+
+class SnapshotWriter:
+    """Writes ``snapshot_fn()`` every SNAPSHOT_INTERVAL_S from a daemon thread
+    (off the step path; the tail of a burst lands within one interval)."""
+
+    def __init__(self, directory: Path | None, rank: int, snapshot_fn):
+        self.path = directory / f"worker-{rank}.json" if directory else None
+        self._fn = snapshot_fn
+        self._last = None
+        if self.path is not None:
+            threading.Thread(target=self._loop, name="dspark-metrics", daemon=True).start()
+
+    def _loop(self) -> None:
+        while True:
+            time.sleep(SNAPSHOT_INTERVAL_S)
+            try:
+                snap = self._fn()
+                if snap != self._last:
+                    write_json_atomic(self.path, snap)
+                    self._last = snap
+            except Exception:  # metrics must never take the worker down
+                continue
 
 
 def write_json_atomic(path: Path, data) -> None:
@@ -104,24 +120,26 @@ class DSparkCollector:
             yield ece
 
 
-def install_collector() -> None:
-    """In the serving process: create the snapshot directory (inherited by the
-    engine processes started later) and register the collector once."""
-    from vllm_dspark import envs
+_INSTALLED: set[str] = set()
 
-    directory = envs.VLLM_DSPARK_METRICS_DIR
-    if directory is None:
-        import atexit
-        import shutil
 
-        directory = tempfile.mkdtemp(prefix="vllm_dspark_metrics_")
-        os.environ["VLLM_DSPARK_METRICS_DIR"] = directory
-        atexit.register(shutil.rmtree, directory, ignore_errors=True)
-        try:
-            from prometheus_client import REGISTRY
-        except ImportError:
-            return
-        REGISTRY.register(DSparkCollector(directory))
+def install_collector(instance_id: str) -> None:
+    """Expose the snapshots of engine ``instance_id`` on this process's
+    Prometheus registry (what vLLM's /metrics serves). Called where the
+    engine's VllmConfig is built, i.e. in the serving process."""
+    if instance_id in _INSTALLED:
+        return
+    _INSTALLED.add(instance_id)
+    import atexit
+    import shutil
+
+    directory = snapshot_dir(instance_id)
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)
+    try:
+        from prometheus_client import REGISTRY
+    except ImportError:
+        return
+    REGISTRY.register(DSparkCollector(str(directory)))
 
 
 def summary_line(snap: dict) -> str:

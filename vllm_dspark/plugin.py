@@ -35,11 +35,8 @@ def register() -> None:
         from vllm_dspark.compat.ledger import check_hooks
         from vllm_dspark.compat.patches import apply_config_patches
 
-        from vllm_dspark.metrics import install_collector
-
         check_hooks("config")
         apply_config_patches()
-        install_collector()
         _state.update(registered=True, vllm_version=version, pid=os.getpid())
         _logger().info(
             "vllm_dspark registered in pid %d (vLLM %s).", os.getpid(), version

@@ -19,7 +19,7 @@ from vllm_dspark.compat.patches import rebound
 from vllm_dspark.config import parse_knobs
 from vllm_dspark.controller.controller import DSparkController
 from vllm_dspark.controller.cost_model import fingerprint
-from vllm_dspark.metrics import SnapshotWriter, summary_line
+from vllm_dspark.metrics import SnapshotWriter, snapshot_dir, summary_line
 from vllm_dspark.proposer.dspark_proposer import DSparkProposer
 from vllm_dspark.rejection_sampler import DSparkRejectionSampler
 from vllm_dspark.sampling import GREEDY_EPS
@@ -40,7 +40,8 @@ class DSparkRunnerMixin:
         self.dspark = DSparkController(knobs, self.drafter.block_len, _cost_fingerprint(vllm_config),
                                        cache_dir=_cache_dir())
         rank = vllm_config.parallel_config.rank
-        self._dspark_snapshots = SnapshotWriter(envs.VLLM_DSPARK_METRICS_DIR if rank == 0 else None, rank)
+        self._dspark_snapshots = SnapshotWriter(
+            snapshot_dir(vllm_config.instance_id) if rank == 0 else None, rank, self.dspark.snapshot)
 
     def _get_eagle3_aux_layers_from_config(self):
         # The V1 helper reads only DFlash/EAGLE keys; vLLM's V2 helper also reads
@@ -58,7 +59,6 @@ class DSparkRunnerMixin:
         out = super().sample_tokens(*args, **kwargs)
         self.dspark.step_finished(self.drafter.last_draft_seconds, self.drafter.last_drafted_reqs)
         self.drafter.last_draft_seconds, self.drafter.last_drafted_reqs = 0.0, 0
-        self._dspark_snapshots.maybe_write(self.dspark.snapshot)
         every = self.dspark.knobs.log_every
         if every and self.dspark.steps and self.dspark.steps % every == 0:
             logger.info(summary_line(self.dspark.snapshot()))

@@ -158,6 +158,12 @@ LEDGER: tuple[Hook, ...] = (
         "vLLM's CPU expand_batch_to_tokens is fixed", ("sampler", "spec_config", "device"),
     ),
     Hook(
+        "vllm.config.vllm.VllmConfig.instance_id", "call",
+        "Names the metrics snapshot directory that the worker (which receives the "
+        "serving process's config) writes and the serving process's collector reads.",
+        "-", "-", None, scope="config",
+    ),
+    Hook(
         "vllm.v1.sample.ops.topk_topp_sampler.apply_top_k_top_p", "call",
         "Top-k/top-p masking applied identically to target and draft distributions.",
         "-", "-", ("logits", "k", "p"),

@@ -114,6 +114,10 @@ def _vllm_post_init(original):
                 )
             self.scheduler_config.async_scheduling = False
         original(self)
+        if dspark_active(self.speculative_config):
+            from vllm_dspark.metrics import install_collector
+
+            install_collector(self.instance_id)
 
     return __post_init__
 
