@@ -8,6 +8,8 @@ block to its verify length before the scheduler sees it, so the verify batch
 really shrinks and vLLM's acceptance metrics count only what was verified.
 """
 
+import time
+
 import torch
 from vllm.v1.worker import gpu_model_runner
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
@@ -40,6 +42,7 @@ class DSparkRunnerMixin:
         self.dspark = DSparkController(knobs, self.drafter.block_len, _cost_fingerprint(vllm_config),
                                        cache_dir=_cache_dir())
         rank = vllm_config.parallel_config.rank
+        self._dspark_draft = (0.0, 0)  # (seconds, requests drafted) of this step's drafting
         self._dspark_snapshots = SnapshotWriter(
             snapshot_dir(vllm_config.instance_id) if rank == 0 else None, rank, self.dspark.snapshot)
 
@@ -56,17 +59,26 @@ class DSparkRunnerMixin:
         return super().execute_model(scheduler_output, *args, **kwargs)
 
     def sample_tokens(self, *args, **kwargs):
+        self._dspark_draft = (0.0, 0)
         out = super().sample_tokens(*args, **kwargs)
-        self.dspark.step_finished(self.drafter.last_draft_seconds, self.drafter.last_drafted_reqs)
-        self.drafter.last_draft_seconds, self.drafter.last_drafted_reqs = 0.0, 0
+        self.dspark.step_finished(*self._dspark_draft)
         every = self.dspark.knobs.log_every
         if every and self.dspark.steps and self.dspark.steps % every == 0:
             logger.info(summary_line(self.dspark.snapshot()))
         return out
 
-    def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, sampling_metadata,
-                                hidden_states, sample_hidden_states, aux_hidden_states,
-                                spec_decode_metadata, common_attn_metadata, slot_mappings):
+    def propose_draft_token_ids(self, *args, **kwargs):
+        # The whole drafting path (vLLM's input preparation included) is timed:
+        # it is what skipping the drafter saves.
+        t0 = time.perf_counter()
+        drafts = self._dspark_propose(*args, **kwargs)
+        drafted = sum(1 for d in drafts if d) if isinstance(drafts, list) else len(drafts)
+        self._dspark_draft = (time.perf_counter() - t0, len(drafts) if drafted else 0)
+        return drafts
+
+    def _dspark_propose(self, scheduler_output, sampled_token_ids, sampling_metadata,
+                        hidden_states, sample_hidden_states, aux_hidden_states,
+                        spec_decode_metadata, common_attn_metadata, slot_mappings):
         req_ids = list(self.input_batch.req_ids)
         outcome = self.rejection_sampler.last_outcome
         if outcome is not None:

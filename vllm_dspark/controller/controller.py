@@ -4,9 +4,10 @@ It runs in the worker, next to the runner, and sees per step:
   * the scheduler's load (running, waiting, KV usage, tokens scheduled and the
     headroom under max_num_batched_tokens), stamped on the SchedulerOutput;
   * the measured time of each step (worker busy time plus the engine's gap
-    between steps), split into the drafter's share and the rest. Two online
-    cost models learn them: T_target(R, B) for the target step with B tokens
-    and T_draft(R) for drafting R blocks. A DSpark step costs their sum;
+    between steps), split into the drafter's share and the rest. Three online
+    cost models learn them: T_spec(R, B) for a target step that verifies
+    drafts (B tokens), T_plain(R, B) for one that does not, and T_draft(R) for
+    drafting R blocks;
   * what verification did with last step's drafts, which trains the
     per-position calibration of the confidence head;
   * this step's fresh confidences for the blocks it must cut.
@@ -45,9 +46,14 @@ from vllm_dspark.controller.signals import LoadSignals, load_of, prefill_tokens
 MAX_ENGINE_GAP_S = 0.05
 GAP_EMA = 0.9
 SAVE_EVERY_STEPS = 500
-# While the predicted budget is zero, drafting is skipped, except one probe
-# step in this many, which refreshes the survival estimate.
+# While speculation does not pay, drafting is skipped, except one probe step
+# in this many, which refreshes the survival estimate.
 PROBE_EVERY = 8
+# While speculating, one step in this many skips drafting anyway, so the plain
+# step's cost stays measured (it is what speculation is compared against).
+EXPLORE_EVERY = 32
+# Until the plain-step model has this many observations it is not trusted.
+MIN_PLAIN_OBSERVATIONS = 20
 SURVIVAL_EMA = 0.8
 
 
@@ -69,8 +75,12 @@ class DSparkController:
         self.knobs = knobs
         self.k = block_len
         cache = cache_dir if knobs.persist_cost_model else None
-        self.cost = OnlineCostModel(f"{fingerprint}-target" if fingerprint else "", cache)
-        self.draft_cost = OnlineCostModel(f"{fingerprint}-draft" if fingerprint else "", cache)
+        def model(kind):
+            return OnlineCostModel(f"{fingerprint}-{kind}" if fingerprint else "", cache)
+
+        self.cost = model("spec")  # target steps that verify drafts
+        self.plain_cost = model("plain")  # target steps that do not
+        self.draft_cost = model("draft")
         # Acceptance means different things at temperature 0 (argmax match) and
         # above (min(1, p/q)), so each mode gets its own calibration.
         self.calibrators = ({"greedy": PositionCalibrator(block_len), "sampled": PositionCalibrator(block_len)}
@@ -82,6 +92,8 @@ class DSparkController:
         self._mean_surv: torch.Tensor | None = None  # EMA of mean calibrated confidence per position
         self._step_errors: deque[float] = deque(maxlen=ERROR_WINDOW)  # whole-step prediction error
         self._skips_in_row = 0
+        self._since_skip = 0
+        self._step_verifies = False
         # req id -> (raw logits of its verified prefix, greedy?) from the last choice
         self._pending: dict[str, tuple[torch.Tensor, bool]] = {}
         self._t_start: float | None = None
@@ -104,10 +116,12 @@ class DSparkController:
         self._step_reqs = len(scheduler_output.num_scheduled_tokens)
         self._step_tokens = int(scheduler_output.total_num_scheduled_tokens)
         self._step_prefill = prefill_tokens(scheduler_output)
+        self._step_verifies = bool(scheduler_output.scheduled_spec_decode_tokens)
 
     def step_finished(self, draft_seconds: float, drafted_reqs: int) -> None:
-        """End of a step; ``draft_seconds`` of it went to drafting ``drafted_reqs``
-        blocks (0 when the drafter was skipped)."""
+        """End of a step; ``draft_seconds`` of it went to the drafting path,
+        which drafted ``drafted_reqs`` blocks (0: the drafter was skipped and
+        only took in context, a cost counted with the plain step)."""
         if self._t_start is None:
             return
         now = time.perf_counter()
@@ -117,18 +131,18 @@ class DSparkController:
         if self._step_reqs == 0:
             return
         r, b = self._step_reqs, self._step_tokens
-        predicted = self.cost.params.predict(r, b)
+        target = self.cost if self._step_verifies else self.plain_cost
+        predicted = target.params.predict(r, b)
         if drafted_reqs:
             predicted += self.draft_cost.params.predict(drafted_reqs, drafted_reqs * self.k)
             self.draft_cost.observe(drafted_reqs, drafted_reqs * self.k, draft_seconds)
-        self.cost.observe(r, b, max(seconds - draft_seconds, 1e-6))
+        target.observe(r, b, max(seconds - (draft_seconds if drafted_reqs else 0.0), 1e-6))
         self.last.num_reqs, self.last.num_tokens = r, b
         self.last.predicted_s, self.last.measured_s = predicted, seconds
         self._step_errors.append(abs(predicted - seconds) / seconds)
         self.steps += 1
         if self.steps % SAVE_EVERY_STEPS == 0:
-            self.cost.save()
-            self.draft_cost.save()
+            self.close()
 
     # -- verification outcomes --------------------------------------------
     def verified(self, req_ids: list[str], num_verified: list[int], accepted: list[int]) -> None:
@@ -183,16 +197,20 @@ class DSparkController:
         return torch.where(mask, self.calibrators["greedy"].calibrate(conf_logits),
                            self.calibrators["sampled"].calibrate(conf_logits))
 
-    def _step_costs(self, rows: int) -> tuple[float, float, float]:
-        """(plain step, drafting, per verified token) seconds predicted for the
-        next step with ``rows`` decoding requests beside this step's prompt work."""
-        p = self.cost.params
-        plain = p.predict(rows, rows + self._step_prefill)
-        return plain, self.draft_cost.params.predict(rows, rows * self.k), p.t_tok
+    def _step_costs(self, rows: int) -> tuple[float, float, float, float]:
+        """Predicted seconds for the next step with ``rows`` decoding requests
+        beside this step's prompt work: (verify step without its drafts, plain
+        step, drafting, per verified draft token)."""
+        tokens = rows + self._step_prefill
+        spec = self.cost.params
+        base = spec.predict(rows, tokens)
+        plain = (self.plain_cost.params.predict(rows, tokens)
+                 if self.plain_cost.observations >= MIN_PLAIN_OBSERVATIONS else base)
+        return base, plain, self.draft_cost.params.predict(rows, rows * self.k), spec.t_tok
 
     def _adaptive(self, conf: torch.Tensor, cap: torch.Tensor) -> torch.Tensor:
         rows = conf.shape[0]
-        plain, draft, per_token = self._step_costs(rows)
+        base, _, draft, per_token = self._step_costs(rows)
         load = self._load
         max_tokens = 1 << 30
         if load is not None and load.waiting > 0:
@@ -200,7 +218,7 @@ class DSparkController:
             max_tokens = max(0, load.token_budget - rows - self._step_prefill)
         slo = self.knobs.slo_tokens_per_s
         max_step = 1.0 / slo if slo else math.inf
-        return ops.adaptive_lengths(conf, cap, plain + draft, per_token, max_step, max_tokens)
+        return ops.adaptive_lengths(conf, cap, base + draft, per_token, max_step, max_tokens)
 
     def _record(self, lengths: list[int]) -> None:
         self.last.budget = sum(lengths)
@@ -222,12 +240,15 @@ class DSparkController:
         n = int(lengths.sum())
         surv = torch.cumprod(conf.clamp(0, 1), dim=1)
         gain = float(surv[torch.arange(self.k)[None, :] < lengths[:, None]].sum())
-        plain, draft, per_token = self._step_costs(num_reqs)
-        spec_rate = (num_reqs + gain) / (plain + draft + per_token * n)
-        if spec_rate > num_reqs / plain or self._skips_in_row >= PROBE_EVERY - 1:
+        base, plain, draft, per_token = self._step_costs(num_reqs)
+        pays = (num_reqs + gain) / (base + draft + per_token * n) > num_reqs / plain
+        self._since_skip += 1
+        explore = self._since_skip >= EXPLORE_EVERY
+        if (pays and not explore) or self._skips_in_row >= PROBE_EVERY - 1:
             self._skips_in_row = 0
             return False
-        self._skips_in_row += 1
+        self._skips_in_row = 0 if explore else self._skips_in_row + 1
+        self._since_skip = 0
         self.totals["skipped_steps"] += 1
         self.last.budget = 0
         return True
@@ -249,6 +270,7 @@ class DSparkController:
             "cost_model_mape": (100.0 * sum(self._step_errors) / len(self._step_errors)
                                 if self._step_errors else None),
             "cost_params": vars(self.cost.params),
+            "plain_cost_params": vars(self.plain_cost.params),
             "draft_cost_params": vars(self.draft_cost.params),
             "calibration": ({m: c.state() for m, c in self.calibrators.items()}
                             if self.calibrators else None),
@@ -256,5 +278,5 @@ class DSparkController:
         }
 
     def close(self) -> None:
-        self.cost.save()
-        self.draft_cost.save()
+        for model in (self.cost, self.plain_cost, self.draft_cost):
+            model.save()

@@ -15,7 +15,6 @@ cut-off decided from it non-anticipating.
 """
 
 import copy
-import time
 
 import torch
 from vllm.forward_context import set_forward_context
@@ -48,8 +47,6 @@ class DSparkProposer(DFlashProposer):
         self.block_len = self.speculative_config.num_speculative_tokens  # K
         self.num_speculative_tokens = self.block_len - 1  # masks after the anchor
         self.last_confidence: torch.Tensor | None = None  # [B, K] raw logits, this step's blocks
-        self.last_draft_seconds = 0.0  # time of the skippable part (block forward + heads)
-        self.last_drafted_reqs = 0
 
     def propose(
         self,
@@ -86,7 +83,6 @@ class DSparkProposer(DFlashProposer):
         _, per_layer = self.build_per_group_and_layer_attn_metadata(cad)
         mode, num_input, across_dp = self._determine_batch_execution_and_padding(num_tokens)
         inputs, slot_size = self.build_model_inputs_first_pass(num_tokens, num_input, None)
-        t0 = time.perf_counter()
         with set_forward_context(
             per_layer,
             self.vllm_config,
@@ -101,7 +97,6 @@ class DSparkProposer(DFlashProposer):
         tokens, probs, conf = self._sample_block(hidden, next_token_ids[:batch].long(), sampling_metadata)
         self._last_draft_probs = probs
         self.last_confidence = conf
-        self.last_draft_seconds, self.last_drafted_reqs = time.perf_counter() - t0, batch
         return tokens
 
     @torch.inference_mode()
