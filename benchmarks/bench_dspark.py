@@ -3,9 +3,11 @@
     python benchmarks/bench_dspark.py                      # all arms, c = 1, 4, 16, 64
     python benchmarks/bench_dspark.py --concurrency 1 16 --arms nospec dspark-k7
 
-Each arm gets its own engine (started, measured, stopped in turn). Every
-request is greedy with a fixed number of new tokens (ignore_eos); a wave of
-`c` requests runs together, so `c` requests are in flight. Writes a JSON
+Every arm gets its own engine, and all of them stay up: at each concurrency
+the arms run in interleaved rounds (order rotated each round) and each
+reports its median round, so the machine's slow spells hit all arms alike.
+Every request is greedy with a fixed number of new tokens (ignore_eos); a
+wave of `c` requests runs together, so `c` requests are in flight. Writes a JSON
 record (machine, versions, settings, per-arm numbers, the no-spec baseline)
 and a PNG plot next to it.
 """
@@ -29,14 +31,21 @@ ARMS = {
 }
 
 
-def run_arm(name, target, drafter, prompts, concurrencies, max_tokens):
-    from vllm_dspark.benchmarking import measure_arm
+# Every arm's engine stays up for the whole run (that is what lets rounds
+# interleave), so each gets a small slice of host memory for its KV cache.
+BENCH_KV_FRACTION = 0.04
+
+
+def start_arm(name, target, drafter, max_num_seqs):
+    from vllm_dspark.benchmarking import start_engine
 
     arm = ARMS[name]
+    print(f"[bench] starting {name}", flush=True)
     if arm is None:
-        return measure_arm(name, target, prompts, concurrencies, max_tokens)
+        return start_engine(target, max_num_seqs, gpu_memory_utilization=BENCH_KV_FRACTION)
     spec = {"method": "dspark", "model": drafter, "num_speculative_tokens": arm["k"]}
-    return measure_arm(name, target, prompts, concurrencies, max_tokens, spec=spec, knobs=arm["knobs"])
+    return start_engine(target, max_num_seqs, spec=spec, knobs=arm["knobs"],
+                        gpu_memory_utilization=BENCH_KV_FRACTION)
 
 
 def twin_cost_us(requests: int = 64, k: int = 7, reps: int = 500) -> float:
@@ -114,6 +123,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="interleaved rounds per concurrency; each arm reports its median round")
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "dspark_vs_nospec.json")
     ap.add_argument("--cache-dir", type=Path, default=None,
                     help="VLLM_DSPARK_CACHE_DIR for the run (default: a fresh temporary one, so the "
@@ -127,9 +138,18 @@ def main(argv=None) -> dict:
     record = {"command": " ".join(["python", "benchmarks/bench_dspark.py", *(argv or sys.argv[1:])]),
               "machine": machine_info(), "target": args.target, "drafter": args.drafter,
               "max_tokens": args.max_tokens, "arms": {}}
+    from vllm_dspark.benchmarking import measure_interleaved, stop_engine
+
     t0 = time.time()
-    for name in args.arms:
-        record["arms"][name] = run_arm(name, args.target, args.drafter, prompts, args.concurrency, args.max_tokens)
+    engines = {}
+    try:
+        for name in args.arms:
+            engines[name] = start_arm(name, args.target, args.drafter, max(args.concurrency))
+        record["arms"] = measure_interleaved(engines, prompts, args.concurrency, args.max_tokens, args.rounds)
+    finally:
+        for llm in engines.values():
+            stop_engine(llm)
+    record["rounds"] = args.rounds
     record["wall_seconds"] = round(time.time() - t0, 1)
     base = {r["concurrency"]: r["tokens_per_s"] for r in record["arms"].get("nospec", [])}
     for rows in record["arms"].values():

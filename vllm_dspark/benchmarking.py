@@ -112,6 +112,41 @@ def measure_arm(label: str, target: str, prompts: list[str], concurrencies: list
         stop_engine(llm)
 
 
+def measure_interleaved(engines: dict, prompts: list[str], concurrencies: list[int],
+                        max_tokens: int, rounds: int = 3) -> dict[str, list[dict]]:
+    """Measure several live engines side by side: at each concurrency, in
+    ``rounds`` rounds with the arm order rotated each round, so a slow spell
+    of a shared machine hits every arm alike. An arm's figure is its median
+    round (all rounds are kept in ``rounds_tokens_per_s``)."""
+    names = list(engines)
+    for llm in engines.values():
+        measure_offline(llm, prompts[:4], 4, 16)  # warm-up
+    out: dict[str, list[dict]] = {name: [] for name in names}
+    for c in concurrencies:
+        waves = max(2, 8 // c)
+        samples: dict[str, list[tuple[ThroughputSample, float | None]]] = {name: [] for name in names}
+        for r in range(rounds):
+            for name in names[r % len(names):] + names[: r % len(names)]:
+                llm = engines[name]
+                before = spec_counters(llm)
+                sample = measure_offline(llm, prompts[: c * waves], c, max_tokens)
+                samples[name].append((sample, mean_accepted_length(before, spec_counters(llm))))
+        for name in names:
+            ranked = sorted(samples[name], key=lambda st: st[0].tokens_per_s)
+            sample, tau = ranked[len(ranked) // 2]
+            row = sample.as_dict()
+            row["rounds_tokens_per_s"] = [st[0].tokens_per_s for st in samples[name]]
+            row["mean_accepted_length"] = tau
+            if engines[name].llm_engine.vllm_config.speculative_config is not None:
+                row["controller"] = engines[name].collective_rpc("dspark_snapshot")[0]
+            out[name].append(row)
+            mape = row.get("controller", {}).get("cost_model_mape")
+            print(f"[bench] {name:>17} c={c:<3} {row['tokens_per_s']:8.1f} tok/s (median of {rounds})"
+                  + (f"  tau={tau:.2f}" if tau else "")
+                  + (f"  step-time error {mape:.1f}%" if mape is not None else ""), flush=True)
+    return out
+
+
 def machine_info() -> dict:
     """What produced a number: CPU, core count and package versions."""
     import os

@@ -85,9 +85,9 @@ class DSparkRunnerMixin:
             self.dspark.verified(req_ids, *outcome)
         if self.dspark.should_skip_drafting(len(req_ids)):
             # Speculation does not pay at this load: no block, no drafts; the
-            # drafter still takes in this step's tokens as context.
+            # drafter still takes in this step's tokens as context (queued).
             n = scheduler_output.total_num_scheduled_tokens
-            self.drafter.write_context(aux_hidden_states, self._get_positions(n),
+            self.drafter.defer_context(aux_hidden_states, self._get_positions(n),
                                        common_attn_metadata.slot_mapping)
             return [[] for _ in req_ids]
         drafts = super().propose_draft_token_ids(

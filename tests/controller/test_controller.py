@@ -1,5 +1,7 @@
 """DSparkController without vLLM: policies, caps and per-request bookkeeping."""
 
+import math
+
 import pytest
 import torch
 
@@ -36,7 +38,7 @@ def test_outcomes_follow_request_ids_across_reordering():
     # position 0: a confident accept (top bin, outcome 1) and a doubtful reject (bottom bin, outcome 0)
     assert bins[0, -1].tolist() == pytest.approx([1.0, float(torch.sigmoid(torch.tensor(5.0))), 1.0])
     assert bins[0, 0].tolist()[::2] == [1.0, 0.0]
-    assert ctl._pending == {}  # nothing carried past the step that used it
+    assert ctl._pending is None  # nothing carried past the step that used it
 
 
 def test_adaptive_shrinks_under_token_cost():
@@ -48,3 +50,27 @@ def test_adaptive_shrinks_under_token_cost():
         ctl.cost.observe(16, 16, 5e-3 + 2e-3 * 16)
     dear = sum(ctl.choose([str(i) for i in range(16)], logits, [4] * 16, [True] * 16))
     assert dear < cheap
+
+
+@pytest.mark.parametrize("rows,conf,base,tok,max_step,max_tokens", [
+    (1, [0.9, 0.8, 0.5, 0.2], 5e-3, 1e-4, math.inf, 1 << 30),
+    (64, [0.9, 0.8, 0.5, 0.2], 5e-3, 1e-4, math.inf, 1 << 30),
+    (64, [0.9, 0.8, 0.5, 0.2], 5e-3, 1e-3, math.inf, 1 << 30),  # verification dear: fewer levels
+    (16, [0.95] * 7, 5e-3, 1e-4, 5e-3 + 40e-4, 1 << 30),  # step cap cuts a level
+    (16, [0.95] * 7, 5e-3, 1e-4, math.inf, 21),  # token cap cuts a level
+    (8, [0.0, 0.9], 5e-3, 1e-4, math.inf, 1 << 30),  # nothing survives
+])
+def test_uniform_admission_matches_the_op_on_identical_rows(rows, conf, base, tok, max_step, max_tokens):
+    """The skip rule's closed form agrees with ops.adaptive_lengths when every
+    request has the same confidences."""
+    from vllm_dspark.controller.controller import uniform_admission
+    from vllm_dspark.ops.reference import adaptive_lengths
+
+    c = torch.tensor([conf] * rows, dtype=torch.float32)
+    cap = torch.full((rows,), len(conf), dtype=torch.int32)
+    lengths = adaptive_lengths(c, cap, base, tok, max_step, max_tokens)
+    surv = torch.cumprod(c, 1)
+    gain = float(surv[torch.arange(len(conf))[None, :] < lengths[:, None].long()].sum())
+    n, g = uniform_admission([float(x) for x in c[0]], rows, base, tok, max_step, max_tokens)
+    assert n == int(lengths.sum())
+    assert g == pytest.approx(gain, rel=1e-5)

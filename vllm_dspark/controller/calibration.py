@@ -16,7 +16,9 @@ identity (alpha = 1, beta = 0). Parameters only change from past outcomes, so
 applying them to this step's confidences stays non-anticipating.
 
 ECE per position is tracked for both raw and calibrated confidences
-(predictions are scored before their outcome updates the fit).
+(predictions are scored before their outcome updates the fit). A step only
+queues its outcomes; scoring and fitting run batched at each refit, which
+keeps the per-step cost to an append.
 """
 
 import torch
@@ -24,6 +26,12 @@ import torch
 ECE_BINS = 10
 DECAY = 0.999  # per observed step
 RIDGE = 1e-2  # keeps the 2x2 Newton system well posed before data arrives
+# The fit's statistics: decayed weights of accepted and rejected outcomes per
+# position and raw-logit bin. Memory and refit cost stay bounded whatever the
+# traffic; a 0.25-wide logit bin is well inside the fit's own noise.
+Z_MIN, Z_MAX, Z_BIN = -12.0, 12.0, 0.25
+MIN_WEIGHT = 10.0  # a position is refitted once it has this much outcome weight
+NEWTON_ITERS = 8
 
 
 class PositionCalibrator:
@@ -33,17 +41,18 @@ class PositionCalibrator:
         self.beta = torch.zeros(k, dtype=torch.float64)
         self.refit_every = refit_every
         self._steps = 0
-        # Observed (raw logit, outcome) pairs since the last refit, and the
-        # decayed history they join.
-        self._z: list[torch.Tensor] = []
-        self._pos: list[torch.Tensor] = []
-        self._y: list[torch.Tensor] = []
-        self._hist_z = torch.empty(0, dtype=torch.float64)
-        self._hist_pos = torch.empty(0, dtype=torch.long)
-        self._hist_y = torch.empty(0, dtype=torch.float64)
-        self._hist_w = torch.empty(0, dtype=torch.float64)
+        self._queued: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # unscored steps
+        nb = int(round((Z_MAX - Z_MIN) / Z_BIN)) + 1
+        self._z_centers = torch.linspace(Z_MIN, Z_MAX, nb, dtype=torch.float64)
+        self._w_acc = torch.zeros(k, nb, dtype=torch.float64)
+        self._w_rej = torch.zeros(k, nb, dtype=torch.float64)
         # ECE bins per position: count, sum of predictions, sum of outcomes.
-        self.bins = {kind: torch.zeros(k, ECE_BINS, 3, dtype=torch.float64) for kind in ("raw", "calibrated")}
+        self._bins = {kind: torch.zeros(k, ECE_BINS, 3, dtype=torch.float64) for kind in ("raw", "calibrated")}
+
+    @property
+    def bins(self) -> dict[str, torch.Tensor]:
+        self._score_queued()
+        return self._bins
 
     def calibrate(self, logits: torch.Tensor) -> torch.Tensor:
         """Calibrated conditional confidences for raw logits [R, K] (float32)."""
@@ -55,46 +64,52 @@ class PositionCalibrator:
     def observe(self, logits: torch.Tensor, verified: torch.Tensor, accepted: torch.Tensor) -> None:
         """Outcomes of one step. logits [R, K] raw confidence logits of the
         verified blocks; verified [R] tokens verified; accepted [R] accepted."""
-        logits = logits.detach().double().cpu()
-        verified, accepted = verified.long().cpu(), accepted.long().cpu()
-        r, k = logits.shape
-        pos = torch.arange(k).expand(r, k)
-        seen = pos <= torch.minimum(accepted, verified - 1)[:, None]  # through the first rejection
-        if not bool(seen.any()):
-            return
-        z, p, y = logits[seen], pos[seen], (pos < accepted[:, None])[seen].double()
-        self._score(z, p, y)
-        self._z.append(z)
-        self._pos.append(p)
-        self._y.append(y)
+        self._queued.append((logits.detach(), verified, accepted))
         self._steps += 1
         if self._steps % self.refit_every == 0:
             self._refit()
 
+    def _score_queued(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """Score the queued steps with the parameters they were made under
+        (parameters only change at a refit, which scores first); returns the
+        observed (logit, position, outcome) triples."""
+        if not self._queued:
+            return None
+        queued, self._queued = self._queued, []
+        k = max(q[0].shape[1] for q in queued)
+        logits = torch.cat([torch.nn.functional.pad(q[0].double().cpu(), (0, k - q[0].shape[1])) for q in queued])
+        verified = torch.cat([torch.as_tensor(q[1]).long().cpu() for q in queued])
+        accepted = torch.cat([torch.as_tensor(q[2]).long().cpu() for q in queued])
+        pos = torch.arange(k).expand(logits.shape[0], k)
+        seen = pos <= torch.minimum(accepted, verified - 1)[:, None]  # through the first rejection
+        if not bool(seen.any()):
+            return None
+        z, p, y = logits[seen], pos[seen], (pos < accepted[:, None])[seen].double()
+        self._score(z, p, y)
+        return z, p, y
+
     def _score(self, z, pos, y) -> None:
         for kind, prob in (("raw", torch.sigmoid(z)), ("calibrated", torch.sigmoid(z * self.alpha[pos] + self.beta[pos]))):
             b = (prob * ECE_BINS).long().clamp(max=ECE_BINS - 1)
-            table = self.bins[kind]
+            table = self._bins[kind]
             for col, val in enumerate((torch.ones_like(prob), prob, y)):
                 table[..., col].index_put_((pos, b), val, accumulate=True)
 
     def _refit(self) -> None:
-        new_z, new_pos, new_y = torch.cat(self._z), torch.cat(self._pos), torch.cat(self._y)
-        self._z, self._pos, self._y = [], [], []
+        observed = self._score_queued()
         decay = DECAY ** self.refit_every
-        self._hist_w = torch.cat([self._hist_w * decay, torch.ones_like(new_z)])
-        self._hist_z = torch.cat([self._hist_z, new_z])
-        self._hist_pos = torch.cat([self._hist_pos, new_pos])
-        self._hist_y = torch.cat([self._hist_y, new_y])
-        keep = self._hist_w > 1e-3  # forget what has decayed away
-        self._hist_w, self._hist_z = self._hist_w[keep], self._hist_z[keep]
-        self._hist_pos, self._hist_y = self._hist_pos[keep], self._hist_y[keep]
-        for k in range(self.alpha.numel()):
-            sel = self._hist_pos == k
-            if int(sel.sum()) < 10:
-                continue
-            self.alpha[k], self.beta[k] = _platt_newton(
-                self._hist_z[sel], self._hist_y[sel], self._hist_w[sel], self.alpha[k], self.beta[k])
+        self._w_acc *= decay
+        self._w_rej *= decay
+        if observed is not None:
+            z, p, y = observed
+            b = ((z.clamp(Z_MIN, Z_MAX) - Z_MIN) / Z_BIN).round().long()
+            self._w_acc.index_put_((p, b), y, accumulate=True)
+            self._w_rej.index_put_((p, b), 1.0 - y, accumulate=True)
+        ready = (self._w_acc + self._w_rej).sum(1) >= MIN_WEIGHT
+        if bool(ready.any()):
+            alpha, beta = _platt_newton(self._z_centers, self._w_acc, self._w_rej, self.alpha, self.beta)
+            self.alpha = torch.where(ready, alpha, self.alpha)
+            self.beta = torch.where(ready, beta, self.beta)
 
     def ece(self, kind: str = "calibrated") -> list[float | None]:
         """Expected calibration error per position, over everything scored."""
@@ -113,13 +128,21 @@ class PositionCalibrator:
                 "ece_raw": self.ece("raw"), "ece_calibrated": self.ece("calibrated")}
 
 
-def _platt_newton(z, y, w, alpha, beta, iters: int = 8):
-    """Weighted logistic regression of y on z (2 parameters), from (alpha, beta)."""
-    theta = torch.stack([alpha, beta]).double()
-    x = torch.stack([z, torch.ones_like(z)], dim=1)
-    for _ in range(iters):
-        p = torch.sigmoid(x @ theta)
-        grad = x.T @ (w * (p - y)) + RIDGE * (theta - torch.tensor([1.0, 0.0], dtype=torch.float64))
-        hess = (x.T * (w * p * (1 - p))) @ x + RIDGE * torch.eye(2, dtype=torch.float64)
-        theta = theta - torch.linalg.solve(hess, grad)
-    return theta[0], theta[1]
+def _platt_newton(z, w_acc, w_rej, alpha, beta):
+    """Weighted logistic regression of outcome on logit, per position, from
+    (alpha, beta): z [NB] bin centres, w_acc / w_rej [K, NB] outcome weights.
+    Newton steps with the 2x2 systems solved in closed form for all K at once."""
+    w = w_acc + w_rej
+    for _ in range(NEWTON_ITERS):
+        p = torch.sigmoid(alpha[:, None] * z + beta[:, None])
+        r = w * p - w_acc
+        g_a = (r * z).sum(1) + RIDGE * (alpha - 1.0)
+        g_b = r.sum(1) + RIDGE * beta
+        h = w * p * (1.0 - p)
+        h_aa = (h * z * z).sum(1) + RIDGE
+        h_ab = (h * z).sum(1)
+        h_bb = h.sum(1) + RIDGE
+        det = h_aa * h_bb - h_ab * h_ab
+        alpha = alpha - (h_bb * g_a - h_ab * g_b) / det
+        beta = beta - (h_aa * g_b - h_ab * g_a) / det
+    return alpha, beta

@@ -47,13 +47,15 @@ MAX_ENGINE_GAP_S = 0.05
 GAP_EMA = 0.9
 SAVE_EVERY_STEPS = 500
 # While speculation does not pay, drafting is skipped, except one probe step
-# in this many, which refreshes the survival estimate.
+# in this many, which refreshes the survival estimate; each probe that finds
+# it still does not pay doubles the wait, up to MAX_PROBE_EVERY.
 PROBE_EVERY = 8
+MAX_PROBE_EVERY = 256
 # While speculating, one step in this many skips drafting anyway, so the plain
 # step's cost stays measured (it is what speculation is compared against).
 EXPLORE_EVERY = 32
-# Until the plain-step model has this many observations it is not trusted.
-MIN_PLAIN_OBSERVATIONS = 20
+# Until a step-cost model has this many observations it is not trusted.
+MIN_OBSERVATIONS = 20
 SURVIVAL_EMA = 0.8
 
 
@@ -89,13 +91,14 @@ class DSparkController:
         self.last = StepRecord()
         self.totals = {"steps": 0, "budget_tokens": 0, "length_hist": [0] * (block_len + 1),
                        "skipped_steps": 0}
-        self._mean_surv: torch.Tensor | None = None  # EMA of mean calibrated confidence per position
+        self._mean_surv: list[float] | None = None  # EMA of mean calibrated confidence per position
         self._step_errors: deque[float] = deque(maxlen=ERROR_WINDOW)  # whole-step prediction error
         self._skips_in_row = 0
+        self._probe_every = PROBE_EVERY
         self._since_skip = 0
         self._step_verifies = False
-        # req id -> (raw logits of its verified prefix, greedy?) from the last choice
-        self._pending: dict[str, tuple[torch.Tensor, bool]] = {}
+        # The last choice: (req id -> row, raw confidence logits [B, K], greedy per row)
+        self._pending: tuple[dict[str, int], torch.Tensor, list[bool]] | None = None
         self._t_start: float | None = None
         self._t_end_prev: float | None = None
         self._gap_s = 0.0
@@ -147,32 +150,31 @@ class DSparkController:
     # -- verification outcomes --------------------------------------------
     def verified(self, req_ids: list[str], num_verified: list[int], accepted: list[int]) -> None:
         """What the sampler did with each request's drafts this step."""
-        pending, self._pending = self._pending, {}
-        if self.calibrators is None:
+        pending, self._pending = self._pending, None
+        if self.calibrators is None or pending is None:
             return
-        batches = {"greedy": ([], [], []), "sampled": ([], [], [])}
+        rows_of, raw, greedy = pending
+        picks = {"greedy": ([], [], []), "sampled": ([], [], [])}
         for rid, n, a in zip(req_ids, num_verified, accepted):
-            logits, greedy = pending.get(rid, (None, False))
-            if logits is None or n == 0 or logits.numel() < n:
+            i = rows_of.get(rid)
+            if i is None or n == 0:
                 continue
-            row = torch.zeros(self.k)
-            row[:n] = logits[:n]
-            rows, ver, acc = batches["greedy" if greedy else "sampled"]
-            rows.append(row)
+            rows, ver, acc = picks["greedy" if greedy[i] else "sampled"]
+            rows.append(i)
             ver.append(n)
             acc.append(a)
-        for mode, (rows, ver, acc) in batches.items():
+        for mode, (rows, ver, acc) in picks.items():
             if rows:
-                self.calibrators[mode].observe(torch.stack(rows), torch.tensor(ver), torch.tensor(acc))
+                self.calibrators[mode].observe(raw[rows], torch.tensor(ver), torch.tensor(acc))
 
     # -- the choice -------------------------------------------------------
     def choose(self, req_ids: list[str], conf_logits: torch.Tensor, caps: list[int],
                greedy: list[bool]) -> list[int]:
         """Verify lengths [B] for this step's blocks (raw confidence logits [B, K])."""
         conf = self.calibrated(conf_logits, greedy)
-        mean = conf.detach().float().mean(0).cpu()
-        self._mean_surv = mean if self._mean_surv is None else (
-            SURVIVAL_EMA * self._mean_surv + (1 - SURVIVAL_EMA) * mean)
+        mean = conf.detach().float().mean(0).tolist()
+        self._mean_surv = mean if self._mean_surv is None else [
+            SURVIVAL_EMA * old + (1 - SURVIVAL_EMA) * new for old, new in zip(self._mean_surv, mean)]
         cap = torch.tensor(caps, dtype=torch.int32, device=conf.device).clamp(0, conf.shape[1])
         policy = self.knobs.policy
         if policy == "full":
@@ -182,10 +184,9 @@ class DSparkController:
         else:
             lengths = self._adaptive(conf, cap)
         out = lengths.tolist()
-        raw = conf_logits.detach().float().cpu()
-        for i, (rid, n) in enumerate(zip(req_ids, out)):
-            if n:
-                self._pending[rid] = (raw[i, :n], greedy[i])
+        # Only positions before a request's verify length get an outcome, and
+        # the calibrator reads no further (verified caps what it observes).
+        self._pending = ({rid: i for i, rid in enumerate(req_ids)}, conf_logits.detach().float().cpu(), greedy)
         self._record(out)
         return out
 
@@ -193,6 +194,8 @@ class DSparkController:
         """Conditional acceptance probabilities [B, K] from raw logits."""
         if self.calibrators is None:
             return torch.sigmoid(conf_logits.float())
+        if all(greedy) or not any(greedy):
+            return self.calibrators["greedy" if greedy[0] else "sampled"].calibrate(conf_logits)
         mask = torch.tensor(greedy, device=conf_logits.device)[:, None]
         return torch.where(mask, self.calibrators["greedy"].calibrate(conf_logits),
                            self.calibrators["sampled"].calibrate(conf_logits))
@@ -203,22 +206,29 @@ class DSparkController:
         step, drafting, per verified draft token)."""
         tokens = rows + self._step_prefill
         spec = self.cost.params
-        base = spec.predict(rows, tokens)
+        spec_base = spec.predict(rows, tokens)
         plain = (self.plain_cost.params.predict(rows, tokens)
-                 if self.plain_cost.observations >= MIN_PLAIN_OBSERVATIONS else base)
+                 if self.plain_cost.observations >= MIN_OBSERVATIONS else spec_base)
+        # A verify step never costs less than a plain one with the same tokens;
+        # until verify steps have been seen (all skipped, or cut to nothing),
+        # the plain model stands in for them.
+        base = max(spec_base, plain) if self.cost.observations >= MIN_OBSERVATIONS else plain
         return base, plain, self.draft_cost.params.predict(rows, rows * self.k), spec.t_tok
 
-    def _adaptive(self, conf: torch.Tensor, cap: torch.Tensor) -> torch.Tensor:
-        rows = conf.shape[0]
-        base, _, draft, per_token = self._step_costs(rows)
+    def _caps(self, rows: int) -> tuple[float, int]:
+        """(step-time cap from the SLO floor, draft-token cap from the headroom)."""
         load = self._load
         max_tokens = 1 << 30
         if load is not None and load.waiting > 0:
             # Requests are queued: drafts may only use budget prefills leave free.
             max_tokens = max(0, load.token_budget - rows - self._step_prefill)
         slo = self.knobs.slo_tokens_per_s
-        max_step = 1.0 / slo if slo else math.inf
-        return ops.adaptive_lengths(conf, cap, base + draft, per_token, max_step, max_tokens)
+        return (1.0 / slo if slo else math.inf), max_tokens
+
+    def _adaptive(self, conf: torch.Tensor, cap: torch.Tensor) -> torch.Tensor:
+        rows = conf.shape[0]
+        base, _, draft, per_token = self._step_costs(rows)
+        return ops.adaptive_lengths(conf, cap, base + draft, per_token, *self._caps(rows))
 
     def _record(self, lengths: list[int]) -> None:
         self.last.budget = sum(lengths)
@@ -232,19 +242,21 @@ class DSparkController:
         """Skip the drafter this step? Only under policy=adaptive, when the
         goodput predicted with speculation (best lengths for recent confidences,
         drafting included) does not beat a plain step's. The drafter then only
-        writes its context KV. Decided from past steps only: non-anticipating."""
+        takes in its context (queued). Decided from past steps only:
+        non-anticipating."""
         if self.knobs.policy != "adaptive" or self._mean_surv is None or num_reqs == 0:
             return False
-        conf = self._mean_surv.expand(num_reqs, -1)
-        lengths = self._adaptive(conf, torch.full((num_reqs,), self.k, dtype=torch.int32))
-        n = int(lengths.sum())
-        surv = torch.cumprod(conf.clamp(0, 1), dim=1)
-        gain = float(surv[torch.arange(self.k)[None, :] < lengths[:, None]].sum())
         base, plain, draft, per_token = self._step_costs(num_reqs)
+        max_step, max_tokens = self._caps(num_reqs)
+        n, gain = uniform_admission(self._mean_surv, num_reqs, base + draft, per_token, max_step, max_tokens)
         pays = (num_reqs + gain) / (base + draft + per_token * n) > num_reqs / plain
         self._since_skip += 1
         explore = self._since_skip >= EXPLORE_EVERY
-        if (pays and not explore) or self._skips_in_row >= PROBE_EVERY - 1:
+        if pays:
+            self._probe_every = PROBE_EVERY
+        if (pays and not explore) or self._skips_in_row >= self._probe_every - 1:
+            if not pays:  # a probe: the next one waits twice as long
+                self._probe_every = min(2 * self._probe_every, MAX_PROBE_EVERY)
             self._skips_in_row = 0
             return False
         self._skips_in_row = 0 if explore else self._skips_in_row + 1
@@ -280,3 +292,29 @@ class DSparkController:
     def close(self) -> None:
         for model in (self.cost, self.plain_cost, self.draft_cost):
             model.save()
+
+
+def uniform_admission(conf: list[float], rows: int, base_cost: float, token_cost: float,
+                      max_step_time: float, max_tokens: int) -> tuple[int, float]:
+    """ops.adaptive_lengths for ``rows`` identical requests with conditional
+    confidences ``conf`` [K], in closed form: (tokens admitted, sum of their
+    survivals). Candidates come level by level (every row's position j, then
+    j + 1); adding one of survival a to n admitted with survival sum S raises
+    goodput iff a * (base + token_cost * n) > token_cost * (rows + S), and both
+    sides grow by a * token_cost per admission, so a level is admitted whole
+    or not at all, except where a cap cuts it."""
+    n, gain, surv = 0, 0.0, 1.0
+    limit = max_tokens
+    if token_cost > 0 and math.isfinite(max_step_time):
+        limit = min(limit, int(math.floor((max_step_time - base_cost) / token_cost + 1e-9)))
+    for c in conf:
+        surv *= min(max(c, 0.0), 1.0)
+        if surv <= 0 or surv * (base_cost + token_cost * n) <= token_cost * (rows + gain):
+            break
+        take = min(rows, limit - n)
+        if take <= 0:
+            break
+        n, gain = n + take, gain + take * surv
+        if take < rows:
+            break
+    return n, gain

@@ -12,18 +12,20 @@ drifting, where plain recursive least squares with forgetting winds up.
 No offline profiling: it starts from a saved fit for the same hardware/model
 fingerprint if there is one, else from a weak prior, and is usable after a few
 dozen steps. The fit is saved as JSON under that fingerprint.
+
+It runs on every step, so it is plain Python on three features (a 3x3
+solve), not torch: a handful of small torch ops costs more than the math.
 """
 
 import hashlib
 import json
+import math
 import os
 import tempfile
 import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
 
 # Forgetting factor: observations older than ~1/(1-lambda) steps fade out.
 FORGETTING = 0.99
@@ -61,12 +63,11 @@ class OnlineCostModel:
         self.fingerprint = fingerprint
         self.path = (cache_dir / f"cost_model_{fingerprint}.json") if cache_dir and fingerprint else None
         self.forgetting = forgetting
-        scale = torch.tensor(FEATURE_SCALE, dtype=torch.float64)
-        self._scale = scale
-        self._prior = torch.tensor(PRIOR, dtype=torch.float64) * scale  # in scaled units
-        self.xtx = torch.zeros(3, 3, dtype=torch.float64)  # decayed sum of x x^T
-        self.xty = torch.zeros(3, dtype=torch.float64)  # decayed sum of x y
-        self.theta = self._prior.clone()
+        self._prior = [p * s for p, s in zip(PRIOR, FEATURE_SCALE)]  # in scaled units
+        self.xtx = [[0.0] * 3 for _ in range(3)]  # decayed sum of x x^T
+        self.xty = [0.0] * 3  # decayed sum of x y
+        self.theta = list(self._prior)
+        self._params = self._to_params()
         self.observations = 0
         self.errors: deque[float] = deque(maxlen=ERROR_WINDOW)  # |pred - measured| / measured
         self.loaded_from: str | None = None
@@ -76,7 +77,10 @@ class OnlineCostModel:
     # -- fitting ----------------------------------------------------------
     @property
     def params(self) -> CostParams:
-        t0, tr, tt = (float(x) for x in self.theta / self._scale)
+        return self._params
+
+    def _to_params(self) -> CostParams:
+        t0, tr, tt = (t / s for t, s in zip(self.theta, FEATURE_SCALE))
         # Physical floor: a step never gets cheaper with more work.
         return CostParams(max(t0, 1e-6), max(tr, 0.0), max(tt, 1e-7))
 
@@ -88,16 +92,19 @@ class OnlineCostModel:
         self.errors.append(rel_err)
         if self.observations > 20 and seconds > OUTLIER_RATIO * pred:
             return rel_err
-        x = torch.tensor([1.0, num_reqs, num_tokens], dtype=torch.float64) / self._scale
-        self.xtx = self.forgetting * self.xtx + torch.outer(x, x)
-        self.xty = self.forgetting * self.xty + x * seconds
+        x = [f / s for f, s in zip((1.0, num_reqs, num_tokens), FEATURE_SCALE)]
+        lam = self.forgetting
+        self.xtx = [[lam * self.xtx[i][j] + x[i] * x[j] for j in range(3)] for i in range(3)]
+        self.xty = [lam * self.xty[i] + x[i] * seconds for i in range(3)]
         self._solve()
         self.observations += 1
         return rel_err
 
     def _solve(self) -> None:
-        ridge = PRIOR_WEIGHT * torch.eye(3, dtype=torch.float64)
-        self.theta = torch.linalg.solve(self.xtx + ridge, self.xty + ridge @ self._prior)
+        a = [[self.xtx[i][j] + (PRIOR_WEIGHT if i == j else 0.0) for j in range(3)] for i in range(3)]
+        b = [self.xty[i] + PRIOR_WEIGHT * self._prior[i] for i in range(3)]
+        self.theta = _solve3(a, b)
+        self._params = self._to_params()
 
     @property
     def mean_abs_pct_error(self) -> float | None:
@@ -111,7 +118,7 @@ class OnlineCostModel:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         data = {"schema_version": SCHEMA_VERSION, "fingerprint": self.fingerprint,
-                "xtx": self.xtx.tolist(), "xty": self.xty.tolist(),
+                "xtx": self.xtx, "xty": self.xty,
                 "observations": self.observations, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
         fd, tmp = tempfile.mkstemp(dir=self.path.parent, suffix=".tmp")
         with os.fdopen(fd, "w") as fh:
@@ -123,19 +130,37 @@ class OnlineCostModel:
             data = json.loads(self.path.read_text())
             if data.get("schema_version") != SCHEMA_VERSION or data.get("fingerprint") != self.fingerprint:
                 return
-            xtx = torch.tensor(data["xtx"], dtype=torch.float64)
-            xty = torch.tensor(data["xty"], dtype=torch.float64)
-            if xtx.shape != (3, 3) or xty.shape != (3,) or not (torch.isfinite(xtx).all() and torch.isfinite(xty).all()):
+            xtx = [[float(v) for v in row] for row in data["xtx"]]
+            xty = [float(v) for v in data["xty"]]
+            if len(xtx) != 3 or any(len(row) != 3 for row in xtx) or len(xty) != 3:
+                return
+            if not all(math.isfinite(v) for v in [*xty, *(v for row in xtx for v in row)]):
                 return
         except (OSError, ValueError, KeyError, TypeError):
             return  # a damaged cache is ignored, never fatal
         # Start from the saved fit, weighted like a short history, so new data
         # takes over quickly if the machine has changed.
-        weight = min(1.0, 50.0 / max(float(xtx[0, 0]), 1e-9))
-        self.xtx, self.xty = xtx * weight, xty * weight
+        weight = min(1.0, 50.0 / max(xtx[0][0], 1e-9))
+        self.xtx = [[v * weight for v in row] for row in xtx]
+        self.xty = [v * weight for v in xty]
         self._solve()
         self.observations = int(data.get("observations", 0))
         self.loaded_from = str(self.path)
+
+
+def _solve3(a: list[list[float]], b: list[float]) -> list[float]:
+    """x with a x = b for a symmetric positive definite 3x3 ``a`` (the ridge
+    guarantees it): Gaussian elimination without pivoting."""
+    a = [row[:] + [v] for row, v in zip(a, b)]
+    for i in range(3):
+        for r in range(i + 1, 3):
+            f = a[r][i] / a[i][i]
+            for c in range(i, 4):
+                a[r][c] -= f * a[i][c]
+    x = [0.0] * 3
+    for i in (2, 1, 0):
+        x[i] = (a[i][3] - sum(a[i][c] * x[c] for c in range(i + 1, 3))) / a[i][i]
+    return x
 
 
 def fingerprint(*parts: object) -> str:

@@ -25,6 +25,11 @@ from vllm_dspark.sampling import RowParams, inverse_cdf_sample, processed_probs
 
 logger = get_logger(__name__)
 
+# Context of skipped steps is queued and written in one batch: at most this
+# many steps, or this many tokens, wait.
+CONTEXT_QUEUE_STEPS = 64
+CONTEXT_QUEUE_TOKENS = 8192
+
 
 def _as_method(vllm_config, method: str):
     """A shallow view of ``vllm_config`` whose speculative method reads ``method``."""
@@ -47,6 +52,8 @@ class DSparkProposer(DFlashProposer):
         self.block_len = self.speculative_config.num_speculative_tokens  # K
         self.num_speculative_tokens = self.block_len - 1  # masks after the anchor
         self.last_confidence: torch.Tensor | None = None  # [B, K] raw logits, this step's blocks
+        self._context_queue: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self._context_queued_tokens = 0
 
     def propose(
         self,
@@ -66,6 +73,7 @@ class DSparkProposer(DFlashProposer):
 
         The draft probabilities (for sampled requests) and the confidences are
         kept on the proposer for the runner to pick up."""
+        self.flush_context()  # skipped steps' context goes in before this step's
         k = self.block_len
         self.num_speculative_tokens = k - 1
         self._last_draft_probs = None
@@ -99,17 +107,38 @@ class DSparkProposer(DFlashProposer):
         self.last_confidence = conf
         return tokens
 
-    @torch.inference_mode()
-    def write_context(self, aux_hidden_states: list[torch.Tensor], positions: torch.Tensor,
+    def defer_context(self, aux_hidden_states: list[torch.Tensor], positions: torch.Tensor,
                       slot_mapping: torch.Tensor) -> None:
-        """A step without drafting: only write the step's tokens into the
-        drafter's context KV cache (fused target features -> K/V of every draft
-        layer), so the drafter has no hole in its context when drafting
-        resumes. Costs one small GEMM per layer instead of a block forward."""
+        """A step without drafting: queue the step's tokens for the drafter's
+        context KV cache (fused target features -> K/V of every draft layer),
+        so the drafter has no hole in its context when drafting resumes.
+        Writing them one step at a time would cost a drafter-sized pass of
+        small ops per step; queued, they go in one batched write before the
+        next drafting step (or when the queue is full)."""
         n = positions.shape[0]
-        features = torch.cat([h[:n] for h in aux_hidden_states], dim=-1)
-        self.model.precompute_and_store_context_kv(
-            self.model.combine_hidden_states(features), positions, slot_mapping[:n])
+        self._context_queue.append((torch.cat([h[:n] for h in aux_hidden_states], dim=-1),
+                                    positions[:n].clone(), slot_mapping[:n].clone()))
+        self._context_queued_tokens += n
+        if (len(self._context_queue) >= CONTEXT_QUEUE_STEPS
+                or self._context_queued_tokens >= CONTEXT_QUEUE_TOKENS):
+            self.flush_context()
+
+    @torch.inference_mode()
+    def flush_context(self) -> None:
+        """Write the queued context, oldest first. A slot freed by a finished or
+        preempted request can be queued again by its next owner; only the
+        latest write of each slot is kept, which is what writing step by step
+        would have left."""
+        if not self._context_queue:
+            return
+        queue, self._context_queue, self._context_queued_tokens = self._context_queue, [], 0
+        features, positions, slots = (torch.cat(parts) for parts in zip(*queue))
+        unique, inverse = torch.unique(slots, return_inverse=True)
+        if unique.numel() < slots.numel():
+            order = torch.arange(slots.numel(), device=slots.device)
+            last = torch.full_like(unique, -1).scatter_reduce_(0, inverse, order, reduce="amax")
+            features, positions, slots = features[last], positions[last], slots[last]
+        self.model.precompute_and_store_context_kv(self.model.combine_hidden_states(features), positions, slots)
 
     @torch.inference_mode()
     def _sample_block(self, hidden: torch.Tensor, anchors: torch.Tensor, sampling_metadata):
