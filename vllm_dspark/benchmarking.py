@@ -117,7 +117,9 @@ def measure_interleaved(engines: dict, prompts: list[str], concurrencies: list[i
     """Measure several live engines side by side: at each concurrency, in
     ``rounds`` rounds with the arm order rotated each round, so a slow spell
     of a shared machine hits every arm alike. An arm's figure is its median
-    round (all rounds are kept in ``rounds_tokens_per_s``)."""
+    round (all rounds are kept in ``rounds_tokens_per_s``). Acceptance comes
+    from each engine's own controller counters: vLLM's Prometheus registry is
+    per process, shared by every engine in it."""
     names = list(engines)
     for llm in engines.values():
         measure_offline(llm, prompts[:4], 4, 16)  # warm-up
@@ -128,9 +130,9 @@ def measure_interleaved(engines: dict, prompts: list[str], concurrencies: list[i
         for r in range(rounds):
             for name in names[r % len(names):] + names[: r % len(names)]:
                 llm = engines[name]
-                before = spec_counters(llm)
+                before = _acceptance(llm)
                 sample = measure_offline(llm, prompts[: c * waves], c, max_tokens)
-                samples[name].append((sample, mean_accepted_length(before, spec_counters(llm))))
+                samples[name].append((sample, mean_accepted_length(before, _acceptance(llm))))
         for name in names:
             ranked = sorted(samples[name], key=lambda st: st[0].tokens_per_s)
             sample, tau = ranked[len(ranked) // 2]
@@ -145,6 +147,15 @@ def measure_interleaved(engines: dict, prompts: list[str], concurrencies: list[i
                   + (f"  tau={tau:.2f}" if tau else "")
                   + (f"  step-time error {mape:.1f}%" if mape is not None else ""), flush=True)
     return out
+
+
+def _acceptance(llm) -> dict:
+    """A DSpark engine's cumulative (blocks verified, tokens accepted), in the
+    shape of spec_counters; empty without speculation."""
+    if llm.llm_engine.vllm_config.speculative_config is None:
+        return {}
+    snap = llm.collective_rpc("dspark_snapshot")[0]
+    return {"num_drafts": snap["verified_blocks"], "num_accepted_tokens": snap["accepted_tokens"]}
 
 
 def machine_info() -> dict:

@@ -32,3 +32,22 @@ def test_only_positions_through_the_first_rejection_are_observed():
     outcomes = cal.bins["raw"][..., 2].sum(1)
     assert counts.tolist() == [2, 2, 0, 0]
     assert outcomes.tolist() == [2, 1, 0, 0]
+
+
+def test_separable_outcomes_keep_parameters_bounded():
+    """Every confident prediction accepted, every doubtful one rejected (as a
+    well-trained head on easy text gives): the fit sharpens, but stays finite
+    and bounded, and calibrated ECE does not blow up."""
+    from vllm_dspark.controller.calibration import PARAM_BOUND
+
+    cal = PositionCalibrator(2, refit_every=5)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        z = torch.randn(32, 2, generator=gen) * 3
+        accepted = (z[:, 0] > 0).long() * (1 + (z[:, 1] > 0).long())
+        cal.observe(z, torch.full((32,), 2), accepted)
+    assert torch.isfinite(cal.alpha).all() and torch.isfinite(cal.beta).all()
+    assert (cal.alpha.abs() <= PARAM_BOUND).all() and (cal.beta.abs() <= PARAM_BOUND).all()
+    assert (cal.alpha > 1).all()  # it did sharpen
+    ece = cal.ece("calibrated")
+    assert all(e is not None and e < 0.1 for e in ece), ece

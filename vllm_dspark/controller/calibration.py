@@ -32,6 +32,9 @@ RIDGE = 1e-2  # keeps the 2x2 Newton system well posed before data arrives
 Z_MIN, Z_MAX, Z_BIN = -12.0, 12.0, 0.25
 MIN_WEIGHT = 10.0  # a position is refitted once it has this much outcome weight
 NEWTON_ITERS = 8
+# Calibrated logit = alpha z + beta stays within these bounds (alpha >= 0: the
+# head's ranking is never reversed).
+PARAM_BOUND = 20.0
 
 
 class PositionCalibrator:
@@ -143,6 +146,11 @@ def _platt_newton(z, w_acc, w_rej, alpha, beta):
         h_ab = (h * z).sum(1)
         h_bb = h.sum(1) + RIDGE
         det = h_aa * h_bb - h_ab * h_ab
-        alpha = alpha - (h_bb * g_a - h_ab * g_b) / det
-        beta = beta - (h_aa * g_b - h_ab * g_a) / det
-    return alpha, beta
+        d_a = (h_bb * g_a - h_ab * g_b) / det
+        d_b = (h_aa * g_b - h_ab * g_a) / det
+        # Damped: outcomes that are (nearly) separable on the binned logits
+        # send plain Newton off to infinity; at most a unit step per iteration.
+        shrink = torch.clamp(torch.maximum(d_a.abs(), d_b.abs()), min=1.0)
+        alpha = alpha - torch.nan_to_num(d_a / shrink)
+        beta = beta - torch.nan_to_num(d_b / shrink)
+    return alpha.clamp(0.0, PARAM_BOUND), beta.clamp(-PARAM_BOUND, PARAM_BOUND)

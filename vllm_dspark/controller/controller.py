@@ -90,7 +90,7 @@ class DSparkController:
         self.steps = 0
         self.last = StepRecord()
         self.totals = {"steps": 0, "budget_tokens": 0, "length_hist": [0] * (block_len + 1),
-                       "skipped_steps": 0}
+                       "skipped_steps": 0, "verified_blocks": 0, "accepted_tokens": 0}
         self._mean_surv: list[float] | None = None  # EMA of mean calibrated confidence per position
         self._step_errors: deque[float] = deque(maxlen=ERROR_WINDOW)  # whole-step prediction error
         self._skips_in_row = 0
@@ -151,6 +151,8 @@ class DSparkController:
     def verified(self, req_ids: list[str], num_verified: list[int], accepted: list[int]) -> None:
         """What the sampler did with each request's drafts this step."""
         pending, self._pending = self._pending, None
+        self.totals["verified_blocks"] += sum(1 for n in num_verified if n)
+        self.totals["accepted_tokens"] += sum(accepted)
         if self.calibrators is None or pending is None:
             return
         rows_of, raw, greedy = pending
@@ -202,9 +204,9 @@ class DSparkController:
 
     def _step_costs(self, rows: int) -> tuple[float, float, float, float]:
         """Predicted seconds for the next step with ``rows`` decoding requests
-        beside this step's prompt work: (verify step without its drafts, plain
-        step, drafting, per verified draft token)."""
-        tokens = rows + self._step_prefill
+        beside the prompt work expected with it: (verify step without its
+        drafts, plain step, drafting, per verified draft token)."""
+        tokens = rows + self._next_prefill()
         spec = self.cost.params
         spec_base = spec.predict(rows, tokens)
         plain = (self.plain_cost.params.predict(rows, tokens)
@@ -215,13 +217,20 @@ class DSparkController:
         base = max(spec_base, plain) if self.cost.observations >= MIN_OBSERVATIONS else plain
         return base, plain, self.draft_cost.params.predict(rows, rows * self.k), spec.t_tok
 
+    def _next_prefill(self) -> int:
+        """Prompt tokens expected beside the next step's decodes: this step's,
+        while prompts still wait behind them; none once the queue is empty
+        (the last chunk of a burst must not make drafts look cheap)."""
+        load = self._load
+        return self._step_prefill if load is None or load.waiting > 0 else 0
+
     def _caps(self, rows: int) -> tuple[float, int]:
         """(step-time cap from the SLO floor, draft-token cap from the headroom)."""
         load = self._load
         max_tokens = 1 << 30
         if load is not None and load.waiting > 0:
             # Requests are queued: drafts may only use budget prefills leave free.
-            max_tokens = max(0, load.token_budget - rows - self._step_prefill)
+            max_tokens = max(0, load.token_budget - rows - self._next_prefill())
         slo = self.knobs.slo_tokens_per_s
         return (1.0 / slo if slo else math.inf), max_tokens
 
@@ -277,6 +286,8 @@ class DSparkController:
             "last_budget": self.last.budget,
             "length_hist": list(self.totals["length_hist"]),
             "skipped_steps": self.totals["skipped_steps"],
+            "verified_blocks": self.totals["verified_blocks"],
+            "accepted_tokens": self.totals["accepted_tokens"],
             "predicted_step_s": self.last.predicted_s,
             "measured_step_s": self.last.measured_s,
             "cost_model_mape": (100.0 * sum(self._step_errors) / len(self._step_errors)
