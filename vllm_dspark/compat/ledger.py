@@ -151,6 +151,47 @@ LEDGER: tuple[Hook, ...] = (
         "-", "-", None,
     ),
     Hook(
+        "vllm.model_executor.models.qwen3_dspark.Qwen3DSparkForCausalLM.precompute_and_store_context_kv", "call",
+        "Writes the queued context of skipped steps into the draft KV cache in one batch.",
+        "-", "-", ("self", "context_states", "context_positions", "context_slot_mapping"),
+    ),
+    Hook(
+        "vllm.model_executor.models.qwen3_dspark.Qwen3DSparkForCausalLM.combine_hidden_states", "call",
+        "Fuses the target's auxiliary hidden states into the drafter's context features.",
+        "-", "-", ("self", "hidden_states"),
+    ),
+    Hook(
+        "vllm.model_executor.models.qwen3_dspark.Qwen3DSparkForCausalLM.compute_draft_logits", "call",
+        "Parallel-stage logits of the query block, before the Markov head.",
+        "-", "-", ("self", "hidden_states"),
+    ),
+    Hook(
+        "vllm.model_executor.models.qwen3_dspark.Qwen3DSparkForCausalLM.markov_embed", "call",
+        "Markov head: embedding of the previous token.", "-", "-", ("self", "token_ids"),
+    ),
+    Hook(
+        "vllm.model_executor.models.qwen3_dspark.Qwen3DSparkForCausalLM.markov_bias", "call",
+        "Markov head: logit bias from that embedding.", "-", "-", ("self", "markov_embed"),
+    ),
+    Hook(
+        "vllm.v1.spec_decode.dflash.DFlashProposer.build_per_group_and_layer_attn_metadata", "call",
+        "Attention metadata for the query block's forward.", "-", "-", ("self", "cad"),
+    ),
+    Hook(
+        "vllm.v1.spec_decode.dflash.DFlashProposer._determine_batch_execution_and_padding", "call",
+        "CUDA-graph mode and padding of the query block's forward.", "-", "-", ("self", "num_tokens"),
+    ),
+    Hook(
+        "vllm.v1.spec_decode.dflash.DFlashProposer._get_slot_mapping", "call",
+        "Slot mapping handed to the forward context of the query block.", "-", "-",
+        ("self", "num_tokens", "slot_mapping"),
+    ),
+    Hook(
+        "vllm.v1.worker.gpu_model_runner.GPUModelRunner._get_positions", "call",
+        "Positions of a skipped step's tokens, queued with its context.", "-", "-",
+        ("self", "num_tokens"),
+    ),
+    Hook(
         "vllm.v1.sample.rejection_sampler.RejectionSampler", "subclass",
         "DSparkRejectionSampler: lossless variable-length verification (greedy and "
         "sampled) with our own per-token sampling parameters, because the stock CPU "
