@@ -58,6 +58,16 @@ def rejection_accept(target_p, draft_q, draft_ids, target_argmax, uniforms, cu_n
 
 
 @triton.jit
+def _recovery_weights(p_row, q_row, offs, V, use_residual):
+    """Unnormalised recovery weights of one vocabulary block: the residual
+    max(p - q, 0), or p itself when the residual has no mass."""
+    m = offs < V
+    p = tl.load(p_row + offs, mask=m, other=0.0)
+    q = tl.load(q_row + offs, mask=m, other=0.0)
+    return tl.where(use_residual, tl.maximum(p - q, 0.0), p)
+
+
+@triton.jit
 def _sample_recovered_kernel(
     p_ptr, q_ptr,  # [N, V] float32
     u_ptr,  # [N]
@@ -70,31 +80,19 @@ def _sample_recovered_kernel(
     q_row = q_ptr + row * stride_q
     mass = 0.0
     for v0 in range(0, V, BLOCK_V):
-        offs = v0 + tl.arange(0, BLOCK_V)
-        m = offs < V
-        p = tl.load(p_row + offs, mask=m, other=0.0)
-        q = tl.load(q_row + offs, mask=m, other=0.0)
-        mass += tl.sum(tl.maximum(p - q, 0.0), axis=0)
+        mass += tl.sum(_recovery_weights(p_row, q_row, v0 + tl.arange(0, BLOCK_V), V, True), axis=0)
     use_residual = mass > eps
     total = 0.0
     for v0 in range(0, V, BLOCK_V):
-        offs = v0 + tl.arange(0, BLOCK_V)
-        m = offs < V
-        p = tl.load(p_row + offs, mask=m, other=0.0)
-        q = tl.load(q_row + offs, mask=m, other=0.0)
-        w = tl.where(use_residual, tl.maximum(p - q, 0.0), p)
-        total += tl.sum(w, axis=0)
+        total += tl.sum(_recovery_weights(p_row, q_row, v0 + tl.arange(0, BLOCK_V), V, use_residual), axis=0)
     point = tl.load(u_ptr + row) * total
     running = 0.0
     found = V - 1
     for v0 in range(0, V, BLOCK_V):
         offs = v0 + tl.arange(0, BLOCK_V)
-        m = offs < V
-        p = tl.load(p_row + offs, mask=m, other=0.0)
-        q = tl.load(q_row + offs, mask=m, other=0.0)
-        w = tl.where(use_residual, tl.maximum(p - q, 0.0), p)
+        w = _recovery_weights(p_row, q_row, offs, V, use_residual)
         cdf = tl.cumsum(w, axis=0) + running
-        hit = tl.where(m & (cdf > point), offs, V - 1)
+        hit = tl.where((offs < V) & (cdf > point), offs, V - 1)
         found = tl.minimum(found, tl.min(hit, axis=0))
         running += tl.sum(w, axis=0)
     tl.store(out_ptr + row, found.to(tl.int64))
