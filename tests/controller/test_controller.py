@@ -74,3 +74,31 @@ def test_uniform_admission_matches_the_op_on_identical_rows(rows, conf, base, to
     n, g = uniform_admission([float(x) for x in c[0]], rows, base, tok, max_step, max_tokens)
     assert n == int(lengths.sum())
     assert g == pytest.approx(gain, rel=1e-5)
+
+
+def test_probes_back_off_only_once_costs_are_measured():
+    """While skipping on priors alone, probes keep every PROBE_EVERY-th step
+    (they are what measures drafting); once the models are trusted, the gap
+    between probes doubles."""
+    from vllm_dspark.controller import controller as cc
+
+    ctl = _ctl(slo_tokens_per_s=1e6)  # no step can meet it: never pays
+    ctl.choose(["a"], torch.zeros(1, 4), [4], [True])
+
+    def probe_gaps(steps):
+        gaps, run = [], 0
+        for _ in range(steps):
+            if ctl.should_skip_drafting(1):
+                run += 1
+            else:
+                gaps.append(run)
+                run = 0
+        return gaps
+
+    assert set(probe_gaps(80)) == {cc.PROBE_EVERY - 1}
+    for model in (ctl.cost, ctl.draft_cost):
+        for _ in range(cc.MIN_OBSERVATIONS):
+            model.observe(1, 5, 0.01)
+    gaps = probe_gaps(400)
+    # the pace in force when trust arrives runs out, then each gap doubles
+    assert gaps[:4] == [7, 15, 31, 63]

@@ -47,8 +47,9 @@ MAX_ENGINE_GAP_S = 0.05
 GAP_EMA = 0.9
 SAVE_EVERY_STEPS = 500
 # While speculation does not pay, drafting is skipped, except one probe step
-# in this many, which refreshes the survival estimate; each probe that finds
-# it still does not pay doubles the wait, up to MAX_PROBE_EVERY.
+# in this many, which refreshes the survival estimate; once the cost models
+# are trusted, each probe that finds it still does not pay doubles the wait,
+# up to MAX_PROBE_EVERY.
 PROBE_EVERY = 8
 MAX_PROBE_EVERY = 256
 # While speculating, one step in this many skips drafting anyway, so the plain
@@ -264,7 +265,11 @@ class DSparkController:
         if pays:
             self._probe_every = PROBE_EVERY
         if (pays and not explore) or self._skips_in_row >= self._probe_every - 1:
-            if not pays:  # a probe: the next one waits twice as long
+            if not pays and self._models_trusted():
+                # A probe that confirmed a decision made from measured costs:
+                # the next one waits twice as long. Until then probes keep
+                # their pace, since they are what teaches the drafting and
+                # verify-step models (a prior alone must not lock drafting out).
                 self._probe_every = min(2 * self._probe_every, MAX_PROBE_EVERY)
             self._skips_in_row = 0
             return False
@@ -273,6 +278,9 @@ class DSparkController:
         self.totals["skipped_steps"] += 1
         self.last.budget = 0
         return True
+
+    def _models_trusted(self) -> bool:
+        return min(self.cost.observations, self.draft_cost.observations) >= MIN_OBSERVATIONS
 
     def request_caps(self, extra_args: list[dict | None]) -> list[int]:
         """Per-request caps from SamplingParams.extra_args (validated at admission)."""
