@@ -30,6 +30,12 @@ def _drafter_copy(tmp_path, **overrides):
     return str(out)
 
 
+def _curve_file(tmp, text):
+    path = tmp / "curve.json"
+    path.write_text(text)
+    return {"cost_curve": str(path)}
+
+
 CASES = {
     "missing path": (lambda tmp: {"model": str(tmp / "nope")}, None,
                      r"speculative_config\.model=.*does not exist"),
@@ -53,6 +59,14 @@ CASES = {
                        r"policy: Input should be 'adaptive', 'full' or 'threshold'"),
     "negative SLO": (lambda tmp: {}, {"slo_tokens_per_s": -5}, r"slo_tokens_per_s: Input should be greater than 0"),
     "knobs not an object": (lambda tmp: {}, "fast", r'additional_config\["dspark"\] must be a JSON object'),
+    "cost curve missing": (lambda tmp: {}, lambda tmp: {"cost_curve": str(tmp / "nope.json")},
+                           r"cost_curve: .*nope\.json' is not a file.*drop the key"),
+    "cost curve not JSON": (lambda tmp: {}, lambda tmp: _curve_file(tmp, "{t0: 1"),
+                            r"cost_curve: .*is not valid JSON"),
+    "cost curve negative": (lambda tmp: {}, lambda tmp: _curve_file(
+        tmp, '{"spec": {"t0": 0.005, "t_req": 0, "t_tok": -1}}'), r'cost_curve: .*"spec\.t_tok" must be a finite number >= 0'),
+    "cost curve missing key": (lambda tmp: {}, lambda tmp: _curve_file(tmp, '{"spec": {"t0": 0.005}}'),
+                               r'cost_curve: .*"spec" must be an object with exactly the keys'),
 }
 
 
@@ -60,7 +74,7 @@ CASES = {
 def test_bad_input_fails_at_startup_with_a_clear_error(case, tmp_path):
     spec, knobs, pattern = CASES[case]
     with pytest.raises(Exception, match=pattern):
-        _llm(spec(tmp_path), knobs)
+        _llm(spec(tmp_path), knobs(tmp_path) if callable(knobs) else knobs)
 
 
 def test_error_for_missing_drafter_is_ours(tmp_path):

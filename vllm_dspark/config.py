@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 ADDITIONAL_CONFIG_KEY = "dspark"
 
@@ -60,6 +60,20 @@ class DSparkKnobs(BaseModel):
         default=0, ge=0,
         description="Log a controller summary every N steps (0: quiet).",
     )
+    cost_curve: str | None = Field(
+        default=None,
+        description="Path to a JSON step-cost curve (format: vllm_dspark/controller/cost_curve.py) "
+        "that policy=adaptive uses instead of learning the costs online.",
+    )
+
+    @field_validator("cost_curve")
+    @classmethod
+    def _curve_loads(cls, path: str | None) -> str | None:
+        if path is not None:
+            from vllm_dspark.controller.cost_curve import load_cost_curve
+
+            load_cost_curve(path)  # its ValueError names what is wrong
+        return path
 
 
 def parse_knobs(additional_config: Any) -> DSparkKnobs:
@@ -83,6 +97,8 @@ def parse_knobs(additional_config: Any) -> DSparkKnobs:
                 problems.append(f"unknown key {field!r}; valid keys are: {valid}")
             else:
                 problems.append(f"{field}: {err['msg']} (got {err.get('input')!r})")
+                if field == "cost_curve":
+                    problems[-1] += "; fix the file or drop the key to learn costs online"
         raise DSparkConfigError(
             f'Invalid additional_config["{ADDITIONAL_CONFIG_KEY}"]: ' + "; ".join(problems) + "."
         ) from None

@@ -2,9 +2,10 @@
 
 import json
 
+import pytest
 import torch
 
-from vllm_dspark.controller.cost_model import OnlineCostModel
+from vllm_dspark.controller.cost_model import CostParams, OnlineCostModel
 
 
 def _curve(model, t0, tr, tt, steps, gen, noise=0.03):
@@ -74,3 +75,25 @@ def test_persists_under_fingerprint(tmp_path):
     (tmp_path / "cost_model_abc.json").write_text(json.dumps({"schema_version": 2, "fingerprint": "abc",
                                                               "xtx": [1, 2], "xty": []}))
     assert OnlineCostModel("abc", tmp_path).loaded_from is None  # damaged: ignored, not fatal
+
+
+def test_cost_curve_round_trip_and_defaults(tmp_path):
+    from vllm_dspark.controller.cost_curve import FREE, CostCurve, load_cost_curve
+
+    curve = CostCurve("x", CostParams(0.01, 1e-4, 2e-4), CostParams(0.009, 1e-4, 1e-4), CostParams(0.001, 0.0, 3e-5))
+    curve.save(tmp_path / "c.json")
+    assert load_cost_curve(tmp_path / "c.json") == curve
+    (tmp_path / "s.json").write_text('{"spec": {"t0": 0.01, "t_req": 0, "t_tok": 0.001}}')
+    only_spec = load_cost_curve(tmp_path / "s.json")
+    assert only_spec.plain == only_spec.spec and only_spec.draft == FREE
+    (tmp_path / "bad.json").write_text('{"spec": {"t0": 0.01, "t_req": 0, "t_tok": 0.001}, "drafts": {}}')
+    with pytest.raises(ValueError, match=r"unknown keys \['drafts'\]"):
+        load_cost_curve(tmp_path / "bad.json")
+
+
+def test_pinned_model_predicts_the_curve_and_does_not_learn():
+    model = OnlineCostModel()
+    model.pin(CostParams(0.01, 0.0, 0.001), "test")
+    for _ in range(50):
+        model.observe(4, 4, 0.5)
+    assert model.params == CostParams(0.01, 0.0, 0.001) and model.mean_abs_pct_error > 90

@@ -39,6 +39,7 @@ import torch
 from vllm_dspark import ops
 from vllm_dspark.config import MAX_VERIFY_KEY, DSparkKnobs
 from vllm_dspark.controller.calibration import PositionCalibrator
+from vllm_dspark.controller.cost_curve import load_cost_curve
 from vllm_dspark.controller.cost_model import ERROR_WINDOW, OnlineCostModel
 from vllm_dspark.controller.signals import LoadSignals, load_of, prefill_tokens
 
@@ -84,6 +85,10 @@ class DSparkController:
         self.cost = model("spec")  # target steps that verify drafts
         self.plain_cost = model("plain")  # target steps that do not
         self.draft_cost = model("draft")
+        if knobs.cost_curve:
+            curve = load_cost_curve(knobs.cost_curve)
+            for m, params in ((self.cost, curve.spec), (self.plain_cost, curve.plain), (self.draft_cost, curve.draft)):
+                m.pin(params, knobs.cost_curve)
         # Acceptance means different things at temperature 0 (argmax match) and
         # above (min(1, p/q)), so each mode gets its own calibration.
         self.calibrators = ({"greedy": PositionCalibrator(block_len), "sampled": PositionCalibrator(block_len)}
@@ -210,12 +215,11 @@ class DSparkController:
         tokens = rows + self._next_prefill()
         spec = self.cost.params
         spec_base = spec.predict(rows, tokens)
-        plain = (self.plain_cost.params.predict(rows, tokens)
-                 if self.plain_cost.observations >= MIN_OBSERVATIONS else spec_base)
+        plain = self.plain_cost.params.predict(rows, tokens) if _trusted(self.plain_cost) else spec_base
         # A verify step never costs less than a plain one with the same tokens;
         # until verify steps have been seen (all skipped, or cut to nothing),
         # the plain model stands in for them.
-        base = max(spec_base, plain) if self.cost.observations >= MIN_OBSERVATIONS else plain
+        base = max(spec_base, plain) if _trusted(self.cost) else plain
         return base, plain, self.draft_cost.params.predict(rows, rows * self.k), spec.t_tok
 
     def _next_prefill(self) -> int:
@@ -280,7 +284,7 @@ class DSparkController:
         return True
 
     def _models_trusted(self) -> bool:
-        return min(self.cost.observations, self.draft_cost.observations) >= MIN_OBSERVATIONS
+        return _trusted(self.cost) and _trusted(self.draft_cost)
 
     def request_caps(self, extra_args: list[dict | None]) -> list[int]:
         """Per-request caps from SamplingParams.extra_args (validated at admission)."""
@@ -311,6 +315,10 @@ class DSparkController:
     def close(self) -> None:
         for model in (self.cost, self.plain_cost, self.draft_cost):
             model.save()
+
+
+def _trusted(model: OnlineCostModel) -> bool:
+    return model.pinned or model.observations >= MIN_OBSERVATIONS
 
 
 def uniform_admission(conf: list[float], rows: int, base_cost: float, token_cost: float,

@@ -71,6 +71,7 @@ class OnlineCostModel:
         self.observations = 0
         self.errors: deque[float] = deque(maxlen=ERROR_WINDOW)  # |pred - measured| / measured
         self.loaded_from: str | None = None
+        self.pinned = False
         if self.path is not None and self.path.is_file():
             self._load()
 
@@ -84,13 +85,18 @@ class OnlineCostModel:
         # Physical floor: a step never gets cheaper with more work.
         return CostParams(max(t0, 1e-6), max(tr, 0.0), max(tt, 1e-7))
 
+    def pin(self, params: CostParams, source: str) -> None:
+        """Use ``params`` from now on: no learning, no saving (a cost curve
+        the user measured; see cost_curve.py). Errors are still tracked."""
+        self._params, self.pinned, self.path, self.loaded_from = params, True, None, source
+
     def observe(self, num_reqs: int, num_tokens: int, seconds: float) -> float:
         """Record one measured step; returns the relative error of the
         prediction made before seeing it."""
         pred = self.params.predict(num_reqs, num_tokens)
         rel_err = abs(pred - seconds) / max(seconds, 1e-9)
         self.errors.append(rel_err)
-        if self.observations > 20 and seconds > OUTLIER_RATIO * pred:
+        if self.pinned or (self.observations > 20 and seconds > OUTLIER_RATIO * pred):
             return rel_err
         x = [f / s for f, s in zip((1.0, num_reqs, num_tokens), FEATURE_SCALE)]
         lam = self.forgetting
