@@ -66,6 +66,12 @@ class DSparkKnobs(BaseModel):
         "that policy=adaptive uses instead of learning the costs online.",
     )
 
+    trace_dir: str | None = Field(
+        default=None,
+        description="Record a controller trace (confidences, verified and accepted lengths, step "
+        "times) as JSON lines in this folder, for `python -m vllm_dspark.sim`. Off by default.",
+    )
+
     @field_validator("cost_curve")
     @classmethod
     def _curve_loads(cls, path: str | None) -> str | None:

@@ -49,6 +49,11 @@ ENV_VARS: dict[str, tuple[Callable[[], Any], str]] = {
         lambda: os.path.expanduser(os.environ.get("VLLM_DSPARK_CACHE_DIR", "~/.cache/vllm_dspark")),
         "Where learned step-time models are saved (one JSON per hardware/model fingerprint).",
     ),
+    "VLLM_DSPARK_TRACE_DIR": (
+        lambda: os.environ.get("VLLM_DSPARK_TRACE_DIR") or None,
+        "Record controller traces for the simulator into this folder (same as the "
+        "trace_dir knob; off when unset).",
+    ),
     "VLLM_DSPARK_OPS": (
         _choice("VLLM_DSPARK_OPS", "auto", ("auto", "triton", "reference")),
         "Kernel choice: auto (Triton on CUDA tensors, torch twin elsewhere), "

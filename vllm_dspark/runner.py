@@ -40,7 +40,7 @@ class DSparkRunnerMixin:
         self.rejection_sampler = DSparkRejectionSampler(self.sampler, self.speculative_config, self.device)
         knobs = parse_knobs(vllm_config.additional_config)
         self.dspark = DSparkController(knobs, self.drafter.block_len, _cost_fingerprint(vllm_config),
-                                       cache_dir=_cache_dir())
+                                       cache_dir=_cache_dir(), trace_dir=envs.VLLM_DSPARK_TRACE_DIR)
         rank = vllm_config.parallel_config.rank
         self._dspark_draft = (0.0, 0)  # (seconds, requests drafted) of this step's drafting
         self._dspark_snapshots = SnapshotWriter(

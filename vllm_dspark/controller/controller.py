@@ -42,6 +42,7 @@ from vllm_dspark.controller.calibration import PositionCalibrator
 from vllm_dspark.controller.cost_curve import load_cost_curve
 from vllm_dspark.controller.cost_model import ERROR_WINDOW, OnlineCostModel
 from vllm_dspark.controller.signals import LoadSignals, load_of, prefill_tokens
+from vllm_dspark.controller.trace import TraceWriter
 
 # Gaps between steps longer than this are idle time, not engine overhead.
 MAX_ENGINE_GAP_S = 0.05
@@ -52,13 +53,25 @@ SAVE_EVERY_STEPS = 500
 # are trusted, each probe that finds it still does not pay doubles the wait,
 # up to MAX_PROBE_EVERY.
 PROBE_EVERY = 8
-MAX_PROBE_EVERY = 256
+MAX_PROBE_EVERY = 1024
+# Probes go back to their fast pace only after this many steps in a row look
+# worth drafting (one step at a burst's start must not undo the back-off).
+PAYS_TO_RESET_PROBES = 4
 # While speculating, one step in this many skips drafting anyway, so the plain
 # step's cost stays measured (it is what speculation is compared against).
-EXPLORE_EVERY = 32
+EXPLORE_EVERY = 128
+# While the verify-step model's data has too little spread in B (relative
+# partial std below MIN_TOKEN_SPREAD), one drafting step in VARY_LENGTHS_EVERY
+# verifies random lengths (uniform in 0..cap, drawn without looking at the
+# drafts, so still lossless): steps that all verify about the same number of
+# tokens cannot tell the per-token cost from the fixed cost.
+VARY_LENGTHS_EVERY = 32
+MIN_TOKEN_SPREAD = 0.1
 # Until a step-cost model has this many observations it is not trusted.
 MIN_OBSERVATIONS = 20
-SURVIVAL_EMA = 0.8
+# The skip rule's mean confidences fade by this factor per drafted block (not
+# per step): at batch 1 a handful of blocks is too noisy to lock drafting out on.
+SURVIVAL_EMA = 0.99
 
 
 @dataclass
@@ -75,7 +88,7 @@ class StepRecord:
 
 class DSparkController:
     def __init__(self, knobs: DSparkKnobs, block_len: int, fingerprint: str = "",
-                 cache_dir: Path | None = None):
+                 cache_dir: Path | None = None, trace_dir: str | None = None):
         self.knobs = knobs
         self.k = block_len
         cache = cache_dir if knobs.persist_cost_model else None
@@ -97,14 +110,27 @@ class DSparkController:
         self.last = StepRecord()
         self.totals = {"steps": 0, "budget_tokens": 0, "length_hist": [0] * (block_len + 1),
                        "skipped_steps": 0, "verified_blocks": 0, "accepted_tokens": 0}
-        self._mean_surv: list[float] | None = None  # EMA of mean calibrated confidence per position
+        # EMA of the mean calibrated survival per position (the mean of the
+        # products, not the product of the means: confidences along a block
+        # are correlated, and the latter undercounts the expected gain).
+        self._mean_surv: list[float] | None = None
         self._step_errors: deque[float] = deque(maxlen=ERROR_WINDOW)  # whole-step prediction error
         self._skips_in_row = 0
+        self._pays_in_row = 0
         self._probe_every = PROBE_EVERY
         self._since_skip = 0
+        self._choices = 0
+        self._rng = torch.Generator().manual_seed(0)
         self._step_verifies = False
-        # The last choice: (req id -> row, raw confidence logits [B, K], greedy per row)
-        self._pending: tuple[dict[str, int], torch.Tensor, list[bool]] | None = None
+        # The last choice: (req id -> row, raw confidence logits [B, K], greedy
+        # per row, calibrated confidences [B, K] when tracing, expected accepted
+        # tokens per row under the chosen lengths)
+        self._pending: tuple[dict[str, int], torch.Tensor, list[bool], torch.Tensor | None, list[float]] | None = None
+        # Decayed sums of accepted and of expected (calibrated) accepted tokens
+        # over verified blocks: their ratio corrects what calibration still
+        # gets wrong on average, for the skip rule.
+        self._acc_sum = 0.0
+        self._exp_sum = 0.0
         self._t_start: float | None = None
         self._t_end_prev: float | None = None
         self._gap_s = 0.0
@@ -112,6 +138,9 @@ class DSparkController:
         self._step_reqs = 0
         self._step_tokens = 0
         self._step_prefill = 0
+        trace_dir = knobs.trace_dir or trace_dir
+        self._trace = (TraceWriter(trace_dir, {"block_len": block_len, "policy": knobs.policy})
+                       if trace_dir else None)
 
     # -- step boundaries ---------------------------------------------------
     def step_started(self, scheduler_output) -> None:
@@ -139,8 +168,15 @@ class DSparkController:
         self._t_start = None
         if self._step_reqs == 0:
             return
-        r, b = self._step_reqs, self._step_tokens
-        target = self.cost if self._step_verifies else self.plain_cost
+        self.record_step(self._step_reqs, self._step_tokens, self._step_verifies, seconds,
+                         draft_seconds, drafted_reqs)
+
+    def record_step(self, r: int, b: int, verifies: bool, seconds: float, draft_seconds: float,
+                    drafted_reqs: int) -> None:
+        """A step of ``r`` requests and ``b`` target tokens took ``seconds``
+        (``draft_seconds`` of it drafting ``drafted_reqs`` blocks): the cost
+        models learn from it. The simulator calls this with simulated times."""
+        target = self.cost if verifies else self.plain_cost
         predicted = target.params.predict(r, b)
         if drafted_reqs:
             predicted += self.draft_cost.params.predict(drafted_reqs, drafted_reqs * self.k)
@@ -149,6 +185,9 @@ class DSparkController:
         self.last.num_reqs, self.last.num_tokens = r, b
         self.last.predicted_s, self.last.measured_s = predicted, seconds
         self._step_errors.append(abs(predicted - seconds) / seconds)
+        if self._trace is not None:
+            self._trace.step(self._trace_costs, step=self.steps, reqs=r, tokens=b, seconds=seconds,
+                             draft_seconds=draft_seconds, drafted=drafted_reqs, verifies=verifies)
         self.steps += 1
         if self.steps % SAVE_EVERY_STEPS == 0:
             self.close()
@@ -159,9 +198,22 @@ class DSparkController:
         pending, self._pending = self._pending, None
         self.totals["verified_blocks"] += sum(1 for n in num_verified if n)
         self.totals["accepted_tokens"] += sum(accepted)
-        if self.calibrators is None or pending is None:
+        if pending is None:
             return
-        rows_of, raw, greedy = pending
+        if self._trace is not None:
+            self._trace_blocks(pending, req_ids, num_verified, accepted)
+        rows_of, raw, greedy, _, expected = pending
+        acc_sum = exp_sum = 0.0
+        blocks = 0
+        for rid, n, a in zip(req_ids, num_verified, accepted):
+            i = rows_of.get(rid)
+            if i is not None and n:
+                acc_sum, exp_sum, blocks = acc_sum + a, exp_sum + expected[i], blocks + 1
+        keep = SURVIVAL_EMA ** blocks
+        self._acc_sum = keep * self._acc_sum + acc_sum
+        self._exp_sum = keep * self._exp_sum + exp_sum
+        if self.calibrators is None:
+            return
         picks = {"greedy": ([], [], []), "sampled": ([], [], [])}
         for rid, n, a in zip(req_ids, num_verified, accepted):
             i = rows_of.get(rid)
@@ -180,9 +232,11 @@ class DSparkController:
                greedy: list[bool]) -> list[int]:
         """Verify lengths [B] for this step's blocks (raw confidence logits [B, K])."""
         conf = self.calibrated(conf_logits, greedy)
-        mean = conf.detach().float().mean(0).tolist()
+        surv = torch.cumprod(conf.detach().float(), dim=1)
+        mean = surv.mean(0).tolist()
+        keep = SURVIVAL_EMA ** conf.shape[0]
         self._mean_surv = mean if self._mean_surv is None else [
-            SURVIVAL_EMA * old + (1 - SURVIVAL_EMA) * new for old, new in zip(self._mean_surv, mean)]
+            keep * old + (1 - keep) * new for old, new in zip(self._mean_surv, mean)]
         cap = torch.tensor(caps, dtype=torch.int32, device=conf.device).clamp(0, conf.shape[1])
         policy = self.knobs.policy
         if policy == "full":
@@ -190,11 +244,18 @@ class DSparkController:
         elif policy == "threshold":
             lengths = ops.confidence_cutoff(conf, self.knobs.threshold, cap)
         else:
-            lengths = self._adaptive(conf, cap)
+            self._choices += 1
+            if self._choices % VARY_LENGTHS_EVERY == 0 and self.cost.token_spread() < MIN_TOKEN_SPREAD:
+                lengths = (torch.rand(cap.shape, generator=self._rng) * (cap.cpu() + 1)).to(torch.int32)
+            else:
+                lengths = self._adaptive(conf, cap)
         out = lengths.tolist()
+        positions = torch.arange(surv.shape[1], device=surv.device)
+        expected = (surv * (positions[None, :] < lengths.to(surv.device)[:, None])).sum(1).tolist()
         # Only positions before a request's verify length get an outcome, and
         # the calibrator reads no further (verified caps what it observes).
-        self._pending = ({rid: i for i, rid in enumerate(req_ids)}, conf_logits.detach().float().cpu(), greedy)
+        self._pending = ({rid: i for i, rid in enumerate(req_ids)}, conf_logits.detach().float().cpu(), greedy,
+                         conf if self._trace is not None else None, expected)
         self._record(out)
         return out
 
@@ -262,11 +323,16 @@ class DSparkController:
             return False
         base, plain, draft, per_token = self._step_costs(num_reqs)
         max_step, max_tokens = self._caps(num_reqs)
-        n, gain = uniform_admission(self._mean_surv, num_reqs, base + draft, per_token, max_step, max_tokens)
+        surv = [min(1.0, s * self.acceptance_ratio()) for s in self._mean_surv]
+        levels = [s / p if p > 0 else 0.0 for s, p in zip(surv, [1.0, *surv[:-1]])]
+        n, gain = uniform_admission(levels, num_reqs, base + draft, per_token, max_step, max_tokens)
         pays = (num_reqs + gain) / (base + draft + per_token * n) > num_reqs / plain
         self._since_skip += 1
-        explore = self._since_skip >= EXPLORE_EVERY
-        if pays:
+        # The plain model stands in for nothing: until it is trusted, plain
+        # steps are explored at the probes' pace.
+        explore = self._since_skip >= (EXPLORE_EVERY if _trusted(self.plain_cost) else PROBE_EVERY)
+        self._pays_in_row = self._pays_in_row + 1 if pays else 0
+        if self._pays_in_row >= PAYS_TO_RESET_PROBES:
             self._probe_every = PROBE_EVERY
         if (pays and not explore) or self._skips_in_row >= self._probe_every - 1:
             if not pays and self._models_trusted():
@@ -282,6 +348,26 @@ class DSparkController:
         self.totals["skipped_steps"] += 1
         self.last.budget = 0
         return True
+
+    def _trace_blocks(self, pending, req_ids, num_verified, accepted) -> None:
+        rows_of, raw, greedy, cal, _ = pending
+        raw_rows, cal_rows = raw.tolist(), cal.float().cpu().tolist()
+        for rid, n, a in zip(req_ids, num_verified, accepted):
+            i = rows_of.get(rid)
+            if i is not None and n:
+                self._trace.block(self.steps, rid, greedy[i], raw_rows[i], cal_rows[i], n, a)
+
+    def _trace_costs(self) -> dict:
+        return {"spec": vars(self.cost.params), "plain": vars(self.plain_cost.params),
+                "draft": vars(self.draft_cost.params)}
+
+    def acceptance_ratio(self) -> float:
+        """Accepted over expected tokens on recent verified blocks (1 until
+        there is evidence; bounded, so a few unlucky blocks cannot lock
+        drafting out)."""
+        if self._exp_sum < MIN_OBSERVATIONS:
+            return 1.0
+        return min(max(self._acc_sum / self._exp_sum, 0.5), 2.0)
 
     def _models_trusted(self) -> bool:
         return _trusted(self.cost) and _trusted(self.draft_cost)
@@ -315,6 +401,8 @@ class DSparkController:
     def close(self) -> None:
         for model in (self.cost, self.plain_cost, self.draft_cost):
             model.save()
+        if self._trace is not None:
+            self._trace.flush()
 
 
 def _trusted(model: OnlineCostModel) -> bool:

@@ -31,7 +31,7 @@ from pathlib import Path
 FORGETTING = 0.99
 # Prior: 5 ms per step, 0.1 ms per request, 0.1 ms per token, and its weight
 # in units of observations (per coefficient, on feature scales below).
-PRIOR = (5e-3, 1e-4, 1e-4)
+PRIOR = (5e-3, 1e-4, 0.0)
 PRIOR_WEIGHT = 0.01
 # Features are [1, R / 64, B / 512] so the three coefficients are of similar size.
 FEATURE_SCALE = (1.0, 64.0, 512.0)
@@ -109,8 +109,24 @@ class OnlineCostModel:
     def _solve(self) -> None:
         a = [[self.xtx[i][j] + (PRIOR_WEIGHT if i == j else 0.0) for j in range(3)] for i in range(3)]
         b = [self.xty[i] + PRIOR_WEIGHT * self._prior[i] for i in range(3)]
-        self.theta = _solve3(a, b)
+        self.theta = _solve_nonnegative(a, b)
         self._params = self._to_params()
+
+    def token_spread(self) -> float:
+        """How much the observed B varied beyond what R explains, relative to
+        its mean (the decayed partial standard deviation of B given [1, R],
+        over mean B). Near 0, the per-token cost is not identified."""
+        m = self.xtx
+        n = m[0][0]
+        if n <= 0 or m[0][2] <= 0:
+            return 0.0
+        det = m[0][0] * m[1][1] - m[0][1] ** 2
+        if det <= 1e-12 * n * n:  # R never varied: the variance of B about its mean
+            resid = m[2][2] - m[0][2] ** 2 / n
+        else:
+            v0, v1 = m[0][2], m[1][2]
+            resid = m[2][2] - (m[1][1] * v0 * v0 - 2 * m[0][1] * v0 * v1 + m[0][0] * v1 * v1) / det
+        return math.sqrt(max(resid, 0.0) / n) / (m[0][2] / n)
 
     @property
     def mean_abs_pct_error(self) -> float | None:
@@ -154,19 +170,49 @@ class OnlineCostModel:
         self.loaded_from = str(self.path)
 
 
-def _solve3(a: list[list[float]], b: list[float]) -> list[float]:
-    """x with a x = b for a symmetric positive definite 3x3 ``a`` (the ridge
+def _solve_spd(a: list[list[float]], b: list[float]) -> list[float]:
+    """x with a x = b for a small symmetric positive definite ``a`` (the ridge
     guarantees it): Gaussian elimination without pivoting."""
+    n = len(b)
     a = [row[:] + [v] for row, v in zip(a, b)]
-    for i in range(3):
-        for r in range(i + 1, 3):
+    for i in range(n):
+        for r in range(i + 1, n):
             f = a[r][i] / a[i][i]
-            for c in range(i, 4):
+            for c in range(i, n + 1):
                 a[r][c] -= f * a[i][c]
-    x = [0.0] * 3
-    for i in (2, 1, 0):
-        x[i] = (a[i][3] - sum(a[i][c] * x[c] for c in range(i + 1, 3))) / a[i][i]
+    x = [0.0] * n
+    for i in reversed(range(n)):
+        x[i] = (a[i][n] - sum(a[i][c] * x[c] for c in range(i + 1, n))) / a[i][i]
     return x
+
+
+# Free-coefficient sets tried when the unconstrained fit has a negative one,
+# largest first.
+_SUBSETS = [(0, 1), (0, 2), (1, 2), (0,), (1,), (2,)]
+
+
+def _solve_nonnegative(a: list[list[float]], b: list[float]) -> list[float]:
+    """argmin x'ax - 2b'x subject to x >= 0 (3 coefficients). Fitting freely
+    and clamping afterwards is wrong: traffic that keeps B proportional to R
+    (drafting: B = K R) lets one coefficient go negative to pay for another,
+    and clamping it leaves the others far off. With three coefficients every
+    active set can simply be tried."""
+    x = _solve_spd(a, b)
+    if min(x) >= 0:
+        return x
+    best, best_obj = [0.0, 0.0, 0.0], 0.0
+    for free in _SUBSETS:
+        sub = _solve_spd([[a[i][j] for j in free] for i in free], [b[i] for i in free])
+        if min(sub) < 0:
+            continue
+        cand = [0.0, 0.0, 0.0]
+        for i, v in zip(free, sub):
+            cand[i] = v
+        obj = sum(cand[i] * a[i][j] * cand[j] for i in range(3) for j in range(3)) - 2 * sum(
+            bi * xi for bi, xi in zip(b, cand))
+        if obj < best_obj:
+            best, best_obj = cand, obj
+    return best
 
 
 def fingerprint(*parts: object) -> str:

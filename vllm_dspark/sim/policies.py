@@ -1,0 +1,147 @@
+"""The policies the simulator compares, each seeing one step at a time.
+
+Every policy answers two questions per step, in this order:
+  1. ``skip(R)``: draft at all this step? (decided from past steps only);
+  2. ``lengths(...)``: how many of each request's K drafted tokens to verify,
+     from this step's confidences (or, for ``stale``, the previous step's).
+Only then does the simulator reveal the outcomes (``observe``). The controller
+policies (adaptive, threshold, stale, flat-table, calibrated-bound) are the
+plugin's DSparkController itself, configured differently; the oracle is not a
+policy but a bound computed from the outcomes (engine.oracle_throughput).
+"""
+
+import numpy as np
+import torch
+
+from vllm_dspark.config import DSparkKnobs
+from vllm_dspark.controller.controller import DSparkController
+from vllm_dspark.controller.cost_curve import CostCurve
+from vllm_dspark.controller.cost_model import CostParams
+
+# Confidence logit given to a request's first block by ``stale`` (it has no
+# previous step): sigmoid(0) = 0.5.
+NO_HISTORY_LOGIT = 0.0
+HINDSIGHT_BINS = 20
+
+
+class Policy:
+    name = "policy"
+
+    def skip(self, num_reqs: int) -> bool:
+        return False
+
+    def lengths(self, ids: list[str], raw: np.ndarray, prev_raw: np.ndarray, greedy: list[bool]) -> np.ndarray:
+        raise NotImplementedError
+
+    def observe(self, ids, lengths, accepted, num_reqs, tokens, target_s, draft_s, drafted) -> None:
+        pass
+
+
+class NoSpec(Policy):
+    name = "nospec"
+
+    def skip(self, num_reqs):
+        return True
+
+
+class FixedK(Policy):
+    def __init__(self, k: int):
+        self.k, self.name = k, f"fixed-K{k}"
+
+    def lengths(self, ids, raw, prev_raw, greedy):
+        return np.full(raw.shape[0], min(self.k, raw.shape[1]), dtype=np.int64)
+
+
+class ControllerPolicy(Policy):
+    """The plugin's DSparkController: it chooses, learns the step costs from the
+    simulated times (record_step, as from measured ones when serving) unless
+    ``pinned``, and calibrates online unless handed ``calibrators``."""
+
+    def __init__(self, name: str, block_len: int, knobs: dict, pinned: CostCurve | None = None,
+                 calibrators: dict | None = None, stale: bool = False):
+        self.name, self.stale = name, stale
+        self.ctl = DSparkController(DSparkKnobs(persist_cost_model=False, **knobs), block_len)
+        if pinned is not None:
+            for model, params in ((self.ctl.cost, pinned.spec), (self.ctl.plain_cost, pinned.plain),
+                                  (self.ctl.draft_cost, pinned.draft)):
+                model.pin(params, pinned.name)
+        if calibrators is not None:
+            self.ctl.calibrators = calibrators
+
+    def skip(self, num_reqs):
+        return self.ctl.should_skip_drafting(num_reqs)
+
+    def lengths(self, ids, raw, prev_raw, greedy):
+        conf = torch.from_numpy(prev_raw if self.stale else raw).float()
+        return np.asarray(self.ctl.choose(ids, conf, [raw.shape[1]] * len(ids), greedy), dtype=np.int64)
+
+    def observe(self, ids, lengths, accepted, num_reqs, tokens, target_s, draft_s, drafted):
+        if lengths is not None:
+            self.ctl.verified(ids, [int(n) for n in lengths], [int(a) for a in accepted])
+        self.ctl.record_step(num_reqs, tokens, lengths is not None and int(lengths.sum()) > 0,
+                             target_s + draft_s, draft_s, drafted)
+
+
+class HindsightCalibrator:
+    """Per-position acceptance probability by raw-logit bin, fitted on the
+    whole trace at once (it knows every outcome in advance) and then frozen:
+    what a perfectly calibrated confidence head would report."""
+
+    def __init__(self, trace, greedy: bool):
+        k = trace.block_len
+        raws, accs = [], []
+        for blocks in trace.requests.values():
+            for raw, _, g, n, a in blocks:
+                if g == greedy:
+                    raws.append(raw)
+                    accs.append(min(a, n))
+        raw = np.array(raws).reshape(-1, k)
+        acc = np.array(accs)
+        self.edges, self.probs = [], []
+        for j in range(k):
+            seen = acc >= j  # reached position j: its outcome is known
+            z, y = raw[seen, j], (acc[seen] > j).astype(float)
+            edges = np.unique(np.quantile(z, np.linspace(0, 1, HINDSIGHT_BINS + 1)[1:-1])) if len(z) else np.array([])
+            idx = np.searchsorted(edges, z, side="right")
+            # Laplace-smoothed rate per bin; an empty bin gets the position's mean.
+            mean = (y.sum() + 1) / (len(y) + 2)
+            probs = np.array([(y[idx == b].sum() + mean) / ((idx == b).sum() + 1) for b in range(len(edges) + 1)])
+            self.edges.append(edges)
+            self.probs.append(probs)
+
+    def calibrate(self, logits: torch.Tensor) -> torch.Tensor:
+        z = logits.float().cpu().numpy()
+        out = np.stack([self.probs[j][np.searchsorted(self.edges[j], z[:, j], side="right")]
+                        for j in range(z.shape[1])], axis=1)
+        return torch.from_numpy(out).float()
+
+    def observe(self, *args) -> None:  # frozen: nothing is learned while replaying
+        pass
+
+    def state(self) -> dict:
+        return {"hindsight_bins": HINDSIGHT_BINS}
+
+
+def flat_table(curve, num_reqs: int) -> CostCurve:
+    """SGLang's fallback without a profiled table: every step costs the same."""
+    t = float(curve.spec(num_reqs, num_reqs))
+    return CostCurve("flat", CostParams(t, 0.0, 0.0), CostParams(t, 0.0, 0.0), CostParams(0.0, 0.0, 0.0))
+
+
+def make_policies(trace, curve, num_reqs: int, fixed_ks=(1, 3, 7), threshold: float = 0.3,
+                  profiled: CostCurve | None = None) -> list[Policy]:
+    """Fresh policies for one (curve, batch size) run. ``profiled`` is the
+    profiled-once linear table ``stale`` uses (fit_linear of the curve)."""
+    k = trace.block_len
+    hindsight = {"greedy": HindsightCalibrator(trace, True), "sampled": HindsightCalibrator(trace, False)}
+    policies: list[Policy] = [NoSpec()]
+    policies += [FixedK(n) for n in fixed_ks if n <= k]
+    policies += [
+        ControllerPolicy("threshold", k, {"policy": "threshold", "threshold": threshold}),
+        ControllerPolicy("adaptive", k, {"policy": "adaptive"}),
+        ControllerPolicy("stale", k, {"policy": "adaptive", "calibration": False}, pinned=profiled, stale=True),
+        ControllerPolicy("flat-table", k, {"policy": "adaptive", "calibration": False},
+                         pinned=flat_table(curve, num_reqs)),
+        ControllerPolicy("calibrated-bound", k, {"policy": "adaptive"}, calibrators=hindsight),
+    ]
+    return policies
