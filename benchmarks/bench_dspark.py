@@ -33,19 +33,31 @@ ARMS = {
 
 # Every arm's engine stays up for the whole run (that is what lets rounds
 # interleave), so each gets a small slice of host memory for its KV cache.
-BENCH_KV_FRACTION = 0.04
+BENCH_KV_FRACTION = 0.06
+# Tokens a request can hold at once: prompt, new tokens, K lookahead slots.
+PROMPT_TOKENS, LOOKAHEAD = 48, 8
 
 
-def start_arm(name, target, drafter, max_num_seqs):
-    from vllm_dspark.benchmarking import start_engine
+def start_arm(name, target, drafter, max_num_seqs, max_tokens):
+    from vllm_dspark.benchmarking import kv_capacity_tokens, start_engine
 
     arm = ARMS[name]
     print(f"[bench] starting {name}", flush=True)
     if arm is None:
-        return start_engine(target, max_num_seqs, gpu_memory_utilization=BENCH_KV_FRACTION)
-    spec = {"method": "dspark", "model": drafter, "num_speculative_tokens": arm["k"]}
-    return start_engine(target, max_num_seqs, spec=spec, knobs=arm["knobs"],
-                        gpu_memory_utilization=BENCH_KV_FRACTION)
+        llm = start_engine(target, max_num_seqs, gpu_memory_utilization=BENCH_KV_FRACTION)
+    else:
+        spec = {"method": "dspark", "model": drafter, "num_speculative_tokens": arm["k"]}
+        llm = start_engine(target, max_num_seqs, spec=spec, knobs=arm["knobs"],
+                           gpu_memory_utilization=BENCH_KV_FRACTION)
+    # Every arm must hold all its requests at once, or it runs at a lower
+    # concurrency than the others (a DSpark engine's KV share is smaller:
+    # the drafter's weights and KV come out of the same budget).
+    need = max_num_seqs * (PROMPT_TOKENS + max_tokens + LOOKAHEAD)
+    have = kv_capacity_tokens(llm)
+    if have < need:
+        raise RuntimeError(f"{name}: KV cache holds {have} tokens, {max_num_seqs} requests need {need}; "
+                           "raise BENCH_KV_FRACTION")
+    return llm
 
 
 def twin_cost_us(requests: int = 64, k: int = 7, reps: int = 500) -> float:
@@ -144,7 +156,7 @@ def main(argv=None) -> dict:
     engines = {}
     try:
         for name in args.arms:
-            engines[name] = start_arm(name, args.target, args.drafter, max(args.concurrency))
+            engines[name] = start_arm(name, args.target, args.drafter, max(args.concurrency), args.max_tokens)
         record["arms"] = measure_interleaved(engines, prompts, args.concurrency, args.max_tokens, args.rounds)
     finally:
         for llm in engines.values():

@@ -74,6 +74,12 @@ def stop_engine(llm) -> None:
     gc.collect()
 
 
+def kv_capacity_tokens(llm) -> int:
+    """Tokens the engine's KV cache holds (blocks x block size)."""
+    cache = llm.llm_engine.vllm_config.cache_config
+    return int(cache.num_gpu_blocks or 0) * int(cache.block_size)
+
+
 def spec_counters(llm) -> dict[str, float]:
     """vLLM's cumulative spec-decode counters (drafts, draft tokens, accepted)."""
     return {m.name.removeprefix("vllm:spec_decode_"): m.value for m in llm.get_metrics()

@@ -59,13 +59,16 @@ MAX_PROBE_EVERY = 1024
 PAYS_TO_RESET_PROBES = 4
 # While speculating, one step in this many skips drafting anyway, so the plain
 # step's cost stays measured (it is what speculation is compared against).
-EXPLORE_EVERY = 128
+EXPLORE_EVERY = 256
 # While the verify-step model's data has too little spread in B (relative
 # partial std below MIN_TOKEN_SPREAD), one drafting step in VARY_LENGTHS_EVERY
-# verifies random lengths (uniform in 0..cap, drawn without looking at the
-# drafts, so still lossless): steps that all verify about the same number of
-# tokens cannot tell the per-token cost from the fixed cost.
+# shifts every request's chosen length by the same random amount in
+# -VARY_SHIFT..VARY_SHIFT (drawn without looking at the drafts, so still
+# lossless): steps that all verify about the same number of tokens cannot tell
+# the per-token cost from the fixed cost. A common shift moves B by up to
+# VARY_SHIFT per request at any batch size, at the price of a few tokens.
 VARY_LENGTHS_EVERY = 32
+VARY_SHIFT = 3
 MIN_TOKEN_SPREAD = 0.1
 # Until a step-cost model has this many observations it is not trusted.
 MIN_OBSERVATIONS = 20
@@ -245,10 +248,11 @@ class DSparkController:
             lengths = ops.confidence_cutoff(conf, self.knobs.threshold, cap)
         else:
             self._choices += 1
-            if self._choices % VARY_LENGTHS_EVERY == 0 and self.cost.token_spread() < MIN_TOKEN_SPREAD:
-                lengths = (torch.rand(cap.shape, generator=self._rng) * (cap.cpu() + 1)).to(torch.int32)
-            else:
-                lengths = self._adaptive(conf, cap)
+            lengths = self._adaptive(conf, cap)
+            if (self._choices % VARY_LENGTHS_EVERY == 0 and not self.cost.pinned
+                    and self.cost.token_spread() < MIN_TOKEN_SPREAD):
+                shift = int(torch.randint(-VARY_SHIFT, VARY_SHIFT + 1, (1,), generator=self._rng))
+                lengths = torch.minimum(torch.clamp(lengths + shift, min=0), cap).to(torch.int32)
         out = lengths.tolist()
         positions = torch.arange(surv.shape[1], device=surv.device)
         expected = (surv * (positions[None, :] < lengths.to(surv.device)[:, None])).sum(1).tolist()

@@ -29,17 +29,20 @@ from pathlib import Path
 
 # Forgetting factor: observations older than ~1/(1-lambda) steps fade out.
 FORGETTING = 0.99
-# Prior: 5 ms per step, 0.1 ms per request, 0.1 ms per token, and its weight
-# in units of observations (per coefficient, on feature scales below).
+# Prior: 5 ms per step, 0.1 ms per request, nothing per token (verification
+# is assumed free until measured), and its weight in units of observations
+# (per coefficient, on the feature scales below).
 PRIOR = (5e-3, 1e-4, 0.0)
 PRIOR_WEIGHT = 0.01
-# Features are [1, R / 64, B / 512] so the three coefficients are of similar size.
-FEATURE_SCALE = (1.0, 64.0, 512.0)
+# Features are [1, R / 8, B / 64]: at batch 1 a verify step's B spans 1..K+1,
+# and on coarser scales that spread is too small against the ridge for the
+# per-token cost to be learned (it stayed near the prior).
+FEATURE_SCALE = (1.0, 8.0, 64.0)
 # Steps whose time exceeds this multiple of the prediction are stalls (GC, a
 # neighbour burst, a blocked queue): they update the error statistics but not
 # the fit.
 OUTLIER_RATIO = 4.0
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 # The reported error is over this many recent steps (the early steps, made
 # with the prior, say little about the fit).
 ERROR_WINDOW = 500
