@@ -342,8 +342,8 @@ class DSparkController:
             if not pays and self._models_trusted():
                 # A probe that confirmed a decision made from measured costs:
                 # the next one waits twice as long. Until then probes keep
-                # their pace, since they are what teaches the drafting and
-                # verify-step models (a prior alone must not lock drafting out).
+                # their pace, since they are what teaches the drafting model
+                # (a prior alone must not lock drafting out).
                 self._probe_every = min(2 * self._probe_every, MAX_PROBE_EVERY)
             self._skips_in_row = 0
             return False
@@ -374,7 +374,11 @@ class DSparkController:
         return min(max(self._acc_sum / self._exp_sum, 0.5), 2.0)
 
     def _models_trusted(self) -> bool:
-        return _trusted(self.cost) and _trusted(self.draft_cost)
+        # The drafting model is measured by every probe. The verify-step model
+        # may never be: when the best lengths are 0, a probe verifies nothing;
+        # until it is trusted, the plain model stands in for it, which only
+        # makes drafting look cheaper, so backing off is still safe.
+        return _trusted(self.draft_cost)
 
     def request_caps(self, extra_args: list[dict | None]) -> list[int]:
         """Per-request caps from SamplingParams.extra_args (validated at admission)."""

@@ -85,7 +85,8 @@ def plot(records: list[dict], curve: str, path: Path) -> None:
         pts = sorted((r["batch_size"], r["tokens_per_s"], r["oracle_fraction"]) for r in rows if r["policy"] == policy)
         if not pts:
             continue
-        style = dict(lw=2.5) if policy == "adaptive" else dict(lw=1.2, ls="--" if policy == "oracle" else "-")
+        style = (dict(lw=2.8, color="black", zorder=5) if policy == "adaptive"
+                 else dict(lw=1.2, ls="--" if policy == "oracle" else "-"))
         axes[0].plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=policy, **style)
         axes[1].plot([p[0] for p in pts], [p[2] for p in pts], marker="o", ms=3, label=policy, **style)
     axes[0].set(xscale="log", yscale="log", xlabel="batch size (requests)", ylabel="tokens/s",
