@@ -36,6 +36,21 @@ def test_pinned_costs_cut_blocks_and_stay_exact(llm, identity_prompts, nospec_re
     assert accept_rate > 0.3, accept_rate
 
 
+def test_per_request_max_verify(llm, identity_prompts, nospec_reference):
+    """extra_args["dspark_max_verify"] caps a request's verified drafts (0 turns
+    speculation off for it); the output stays exact. On this pinned curve
+    drafting pays, so a cap of 2 must see drafts."""
+    for cap in (0, 2):
+        before = spec_counters(llm)
+        outs = llm.generate(identity_prompts[:4], greedy_params(extra_args={"dspark_max_verify": cap}),
+                            use_tqdm=False)
+        assert [list(o.outputs[0].token_ids) for o in outs] == nospec_reference["token_ids"][:4]
+        after = spec_counters(llm)
+        drafts = after["num_drafts"] - before["num_drafts"]
+        drafted = after["num_draft_tokens"] - before["num_draft_tokens"]
+        assert drafted <= cap * drafts and (drafts == 0) == (cap == 0), (cap, drafts, drafted)
+
+
 def test_pinned_curve_is_used_not_learned(llm):
     snap = llm.collective_rpc("dspark_snapshot")[0]
     assert snap["cost_params"] == CURVE["spec"] and snap["draft_cost_params"] == CURVE["draft"]

@@ -332,8 +332,9 @@ class DSparkController:
         n, gain = uniform_admission(levels, num_reqs, base + draft, per_token, max_step, max_tokens)
         pays = (num_reqs + gain) / (base + draft + per_token * n) > num_reqs / plain
         self._since_skip += 1
-        # The plain model stands in for nothing: until it is trusted, plain
-        # steps are explored at the probes' pace.
+        # Drafting is judged against the plain step, and no other model can
+        # stand in for it: until it is trusted, plain steps come at the
+        # probes' pace.
         explore = self._since_skip >= (EXPLORE_EVERY if _trusted(self.plain_cost) else PROBE_EVERY)
         self._pays_in_row = self._pays_in_row + 1 if pays else 0
         if self._pays_in_row >= PAYS_TO_RESET_PROBES:
@@ -392,6 +393,7 @@ class DSparkController:
             "last_budget": self.last.budget,
             "length_hist": list(self.totals["length_hist"]),
             "skipped_steps": self.totals["skipped_steps"],
+            "acceptance_ratio": self.acceptance_ratio(),
             "verified_blocks": self.totals["verified_blocks"],
             "accepted_tokens": self.totals["accepted_tokens"],
             "predicted_step_s": self.last.predicted_s,

@@ -7,8 +7,9 @@ CPU-measured and GPU-class step-cost curves, from batch 1 to 256.
 Writes DIR/summary.json (one record per curve, batch size and policy:
 tokens_per_s, per_request_tokens_per_s, oracle_fraction), DIR/targets.json
 (the targets of the simulator issue, checked), DIR/validation.json (replay
-against the measured run the trace came from), DIR/curves.json (every curve's
-constants) and one PNG per curve.
+against the measured run the trace came from), DIR/calibration.json (per
+position ECE of raw and online-calibrated confidences over the trace),
+DIR/curves.json (every curve's constants) and one PNG per curve.
 """
 
 import argparse
@@ -130,6 +131,28 @@ def validate(trace, run: dict | None, cpu) -> dict | None:
     return out
 
 
+def calibration_report(trace, batch: int = 16) -> dict:
+    """Per-position ECE of the raw and the online-calibrated confidences over
+    the trace's blocks, in recorded order, batch by batch: the plugin's own
+    calibrator, each prediction scored before its outcome is learned from."""
+    import torch
+
+    from vllm_dspark.controller.calibration import PositionCalibrator
+
+    out = {}
+    for mode, greedy in (("greedy", True), ("sampled", False)):
+        blocks = [b for seq in trace.requests.values() for b in seq if b[2] == greedy]
+        if not blocks:
+            continue
+        cal = PositionCalibrator(trace.block_len)
+        for i in range(0, len(blocks), batch):
+            chunk = blocks[i : i + batch]
+            cal.observe(torch.tensor([b[0] for b in chunk]), torch.tensor([b[3] for b in chunk]),
+                        torch.tensor([b[4] for b in chunk]))
+        out[mode] = {"blocks": len(blocks), "ece_raw": cal.ece("raw"), "ece_calibrated": cal.ece("calibrated")}
+    return out
+
+
 def main(argv=None) -> dict:
     from vllm_dspark.controller.trace import load_trace
     from vllm_dspark.sim.curves import cpu_curve, gpu_curves, json_curve, run_record
@@ -171,6 +194,12 @@ def main(argv=None) -> dict:
     (args.out / "curves.json").write_text(json.dumps({c.name: c.describe() for c in curves}, indent=1))
     if validation is not None:
         (args.out / "validation.json").write_text(json.dumps(validation, indent=1))
+    calibration = calibration_report(trace)
+    (args.out / "calibration.json").write_text(json.dumps(calibration, indent=1))
+    for mode, rep in calibration.items():
+        fmt = lambda xs: " ".join("-" if x is None else f"{x:.3f}" for x in xs)  # noqa: E731
+        print(f"[sim] calibration ({mode}, {rep['blocks']} blocks) ECE per position raw: {fmt(rep['ece_raw'])}"
+              f" | calibrated: {fmt(rep['ece_calibrated'])}", flush=True)
     print(f"[sim] targets: {targets['met']}/{targets['checks']} met", flush=True)
     for miss in targets["misses"]:
         print(f"[sim]   miss: {miss}", flush=True)
