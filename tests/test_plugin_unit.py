@@ -117,3 +117,24 @@ def test_without_the_plugin_vllm_rejects_dspark_on_cpu():
     env = {**os.environ, "VLLM_DSPARK_ENABLED": "0"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert "Model Runner V1 does not support: dspark speculative decoding" in out.stdout, out.stderr[-2000:]
+
+
+def test_post_step_round_trip_skipped_only_for_dspark_scheduler():
+    """The EngineCore.post_step wrap skips take_draft_token_ids only when the
+    scheduler took the drafts from the step's output (DSparkScheduler)."""
+    from types import SimpleNamespace
+    from unittest import mock
+
+    from vllm.v1.engine.core import EngineCore
+
+    from vllm_dspark.compat.patches import apply_config_patches
+    from vllm_dspark.scheduler import DSparkScheduler
+
+    apply_config_patches()
+    for scheduler, rpc_calls in ((SimpleNamespace(update_draft_token_ids=mock.Mock()), 1),
+                                 (SimpleNamespace(drafts_in_output=DSparkScheduler.drafts_in_output), 0)):
+        executor = SimpleNamespace(take_draft_token_ids=mock.Mock(return_value=None))
+        core = SimpleNamespace(scheduler=scheduler, model_executor=executor, check_for_draft_tokens=True,
+                               async_scheduling=False)
+        EngineCore.post_step(core, True)
+        assert executor.take_draft_token_ids.call_count == rpc_calls

@@ -8,9 +8,11 @@ block to its verify length before the scheduler sees it, so the verify batch
 really shrinks and vLLM's acceptance metrics count only what was verified.
 """
 
+import copy
 import time
 
 import torch
+from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.worker import gpu_model_runner
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
@@ -25,6 +27,7 @@ from vllm_dspark.metrics import SnapshotWriter, snapshot_dir, summary_line
 from vllm_dspark.proposer.dspark_proposer import DSparkProposer
 from vllm_dspark.rejection_sampler import DSparkRejectionSampler
 from vllm_dspark.sampling import GREEDY_EPS
+from vllm_dspark.scheduler import DRAFTS_ATTR
 
 logger = get_logger(__name__)
 
@@ -43,6 +46,7 @@ class DSparkRunnerMixin:
                                        cache_dir=_cache_dir(), trace_dir=envs.VLLM_DSPARK_TRACE_DIR)
         rank = vllm_config.parallel_config.rank
         self._dspark_draft = (0.0, 0)  # (seconds, requests drafted) of this step's drafting
+        self._dspark_skipped = False
         self._dspark_snapshots = SnapshotWriter(
             snapshot_dir(vllm_config.instance_id) if rank == 0 else None, rank, self.dspark.snapshot)
 
@@ -61,6 +65,12 @@ class DSparkRunnerMixin:
     def sample_tokens(self, *args, **kwargs):
         self._dspark_draft = (0.0, 0)
         out = super().sample_tokens(*args, **kwargs)
+        if isinstance(out, ModelRunnerOutput):
+            # The drafts travel with the output (DSparkScheduler applies them),
+            # saving the engine core's take_draft_token_ids round trip. A copy:
+            # vLLM reuses some output objects.
+            out = copy.copy(out)
+            setattr(out, DRAFTS_ATTR, self.take_draft_token_ids())
         self.dspark.step_finished(*self._dspark_draft)
         every = self.dspark.knobs.log_every
         if every and self.dspark.steps and self.dspark.steps % every == 0:
@@ -71,9 +81,12 @@ class DSparkRunnerMixin:
         # The whole drafting path (vLLM's input preparation included) is timed:
         # it is what skipping the drafter saves.
         t0 = time.perf_counter()
+        self._dspark_skipped = False
         drafts = self._dspark_propose(*args, **kwargs)
-        drafted = sum(1 for d in drafts if d) if isinstance(drafts, list) else len(drafts)
-        self._dspark_draft = (time.perf_counter() - t0, len(drafts) if drafted else 0)
+        # Blocks drafted, even if the controller then verifies none of them:
+        # the drafting model must learn from those steps too (else, when no
+        # length pays, it never becomes trusted and probes never back off).
+        self._dspark_draft = (time.perf_counter() - t0, 0 if self._dspark_skipped else len(drafts))
         return drafts
 
     def _dspark_propose(self, scheduler_output, sampled_token_ids, sampling_metadata,
@@ -89,6 +102,7 @@ class DSparkRunnerMixin:
             n = scheduler_output.total_num_scheduled_tokens
             self.drafter.defer_context(aux_hidden_states, self._get_positions(n),
                                        common_attn_metadata.slot_mapping)
+            self._dspark_skipped = True
             return [[] for _ in req_ids]
         drafts = super().propose_draft_token_ids(
             scheduler_output, sampled_token_ids, sampling_metadata, hidden_states, sample_hidden_states,

@@ -189,9 +189,19 @@ def _v2_unsupported(original):
     return _get_v2_model_runner_unsupported_features
 
 
+def _post_step(original):
+    def post_step(self, model_executed):
+        if getattr(self.scheduler, "drafts_in_output", False):
+            return  # DSparkScheduler took this step's drafts from its output
+        return original(self, model_executed)
+
+    return post_step
+
+
 def apply_config_patches() -> None:
     from vllm.config.speculative import SpeculativeConfig
     from vllm.config.vllm import VllmConfig
+    from vllm.v1.engine.core import EngineCore
     from vllm.v1.engine.input_processor import InputProcessor
 
     _wrap(SpeculativeConfig, "__post_init__", _spec_post_init)
@@ -199,3 +209,4 @@ def apply_config_patches() -> None:
     _wrap(VllmConfig, "_get_v1_model_runner_unsupported_features", _v1_unsupported)
     _wrap(VllmConfig, "_get_v2_model_runner_unsupported_features", _v2_unsupported)
     _wrap(InputProcessor, "_validate_params", _validate_request)
+    _wrap(EngineCore, "post_step", _post_step)

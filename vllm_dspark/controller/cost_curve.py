@@ -7,7 +7,9 @@ each ``{"t0": s, "t_req": s, "t_tok": s}`` for T(R, B) = t0 + t_req R + t_tok B:
     {"name": "my-h200",
      "spec":  {...},   # a target step that verifies drafts (required)
      "plain": {...},   # a target step without drafts (default: same as spec)
-     "draft": {...}}   # drafting R blocks of K tokens, B = R K (default: free)
+     "draft": {...},   # drafting R blocks of K tokens, B = R K (default: free)
+     "nospec": {...}}  # simulator only: a step of an engine without speculation
+                       # configured (default: same as plain)
 
 Given as ``additional_config["dspark"]["cost_curve"]``, it replaces online
 learning (the controller still reports its prediction error). Users who
@@ -31,9 +33,11 @@ class CostCurve:
     spec: CostParams
     plain: CostParams
     draft: CostParams = FREE
+    nospec: CostParams | None = None
 
     def to_json(self) -> dict:
-        return {"name": self.name, **{k: asdict(getattr(self, k)) for k in ("spec", "plain", "draft")}}
+        keys = ("spec", "plain", "draft") + (("nospec",) if self.nospec is not None else ())
+        return {"name": self.name, **{k: asdict(getattr(self, k)) for k in keys}}
 
     def save(self, path: Path) -> None:
         Path(path).write_text(json.dumps(self.to_json(), indent=1))
@@ -57,15 +61,16 @@ def curve_from_json(data: object, where: str = "cost curve") -> CostCurve:
     if not isinstance(data, dict) or "spec" not in data:
         raise ValueError(f'{where}: expected a JSON object with at least a "spec" entry '
                          '({"t0": s, "t_req": s, "t_tok": s})')
-    unknown = set(data) - {"name", "spec", "plain", "draft"}
+    unknown = set(data) - {"name", "spec", "plain", "draft", "nospec"}
     if unknown:
-        raise ValueError(f"{where}: unknown keys {sorted(unknown)}; valid keys are name, spec, plain, draft")
+        raise ValueError(f"{where}: unknown keys {sorted(unknown)}; valid keys are name, spec, plain, draft, nospec")
     spec = _params(data, "spec", where)
     curve = CostCurve(
         name=str(data.get("name", where)),
         spec=spec,
         plain=_params(data, "plain", where) if "plain" in data else spec,
         draft=_params(data, "draft", where) if "draft" in data else FREE,
+        nospec=_params(data, "nospec", where) if "nospec" in data else None,
     )
     if curve.spec.predict(1, 1) <= 1e-6:
         raise ValueError(f'{where}: "spec" predicts a zero step time; give t0 or t_tok > 0')

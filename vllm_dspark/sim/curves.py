@@ -41,6 +41,9 @@ class LinearCurve:
     def draft(self, r):
         return self._t(self.curve.draft, r, np.asarray(r, float) * self.k)
 
+    def nospec(self, r, b):
+        return self._t(self.curve.nospec or self.curve.plain, r, b)
+
     def describe(self) -> dict:
         return {"kind": self.kind, **self.curve.to_json()}
 
@@ -128,6 +131,7 @@ class RooflineCurve:
         return m.overhead_s + np.maximum((weight_bytes + kv_bytes) / self._bandwidth(), flops / self._flops())
 
     plain = spec  # same kernels with or without drafts to verify
+    nospec = spec  # and without speculation configured at all
 
     def draft(self, r):
         """One parallel drafting pass over R blocks of K + 1 positions (the
@@ -165,18 +169,22 @@ def fit_linear(curve, block_len: int, name: str, batch_sizes=(1, 2, 4, 8, 16, 32
 
 def cpu_curve(trace, run: dict | None = None, name: str = "cpu") -> LinearCurve:
     """Verify and drafting steps: the fits the plugin's online models reached
-    while the trace was recorded. Plain steps: the no-spec engine's measured
-    decode step (``run["nospec"]["curve"]``, see benchmarks/record_traces.py);
-    a full-block trace has no decode-only plain steps to learn them from
-    (its plain model saw only prefills). Without it, a plain step costs what
-    a verify step without drafts does."""
+    while the trace was recorded. Plain steps (a DSpark engine that skips the
+    drafter): the plain model of a DSpark engine that always skips
+    (``run["skip"]["curve"]``); the engine without speculation:
+    the no-spec engine's measured decode step (``run["nospec"]["curve"]``);
+    both from benchmarks/record_traces.py. A full-block trace has no
+    decode-only plain steps to learn from (its plain model saw only
+    prefills); without them, a plain step costs what a verify step without
+    drafts does."""
     from vllm_dspark.controller.cost_curve import curve_from_json
 
     if trace.costs is None:
         raise ValueError(f"trace {trace.files} has no 'costs' line; record at least 50 steps")
     data = {k: trace.costs[k] for k in ("spec", "draft")}
-    if run and "nospec" in run:
-        data["plain"] = run["nospec"]["curve"]
+    for key, source in (("plain", "skip"), ("nospec", "nospec")):
+        if run and source in run:
+            data[key] = run[source]["curve"]
     return LinearCurve(curve_from_json({"name": name, **data}, where=f"{trace.files[0]} costs"), trace.block_len)
 
 

@@ -7,8 +7,10 @@ and the oracle see exactly the same blocks and outcomes. A block verified to
 length L yields min(L, a) + 1 tokens, where a is how many of its K drafts the
 target accepted in the full-block trace (acceptance is a prefix property, so
 a shorter verification accepts the same first tokens). A step costs
-T_spec(R, R + sum L) + T_draft(R) when the policy drafted, else T_plain(R, R).
-Prefill is left out: these are decode-only, closed-loop batches.
+T_spec(R, R + sum L) + T_draft(R) when the policy drafted, else T_plain(R, R)
+(T_nospec(R, R) for the engine without speculation, which on a CPU is
+cheaper than a speculating engine's skipped step). Prefill is left out: these
+are decode-only, closed-loop batches.
 """
 
 from dataclasses import dataclass
@@ -75,10 +77,11 @@ class Result:
 def replay(policy, blocks: Blocks, curve, warmup: int = WARMUP_STEPS) -> Result:
     steps, r, k = blocks.raw.shape
     res = Result(0.0, 0.0)
+    plain = curve.nospec if getattr(policy, "no_drafter", False) else curve.plain
     for s in range(steps):
         ids = list(blocks.ids[s])
         if policy.skip(r):
-            lengths, gained, target_s, draft_s, tokens = None, 0, float(curve.plain(r, r)), 0.0, r
+            lengths, gained, target_s, draft_s, tokens = None, 0, float(plain(r, r)), 0.0, r
         else:
             lengths = policy.lengths(ids, blocks.raw[s], blocks.prev_raw[s], blocks.greedy[s].tolist())
             got = np.minimum(lengths, blocks.accepted[s])
@@ -104,9 +107,10 @@ def replay_waves(policy, trace, wave: int, max_tokens: int, prompt_tokens: int, 
     seqs = [[(np.array(b[0]), b[2], min(b[4], b[3])) for b in blocks]
             for blocks in list(trace.requests.values())[skip_requests:]]
     res = Result(0.0, 0.0)
+    plain = curve.nospec if getattr(policy, "no_drafter", False) else curve.plain
     for w in range(0, len(seqs), wave):
         group = seqs[w : w + wave]
-        res.seconds += float(curve.plain(len(group), len(group) * prompt_tokens))
+        res.seconds += float(plain(len(group), len(group) * prompt_tokens))
         made, pos = [1] * len(group), [0] * len(group)  # the prefill step samples each first token
         while True:
             live = [i for i in range(len(group)) if made[i] < max_tokens]
@@ -117,7 +121,7 @@ def replay_waves(policy, trace, wave: int, max_tokens: int, prompt_tokens: int, 
                       for i in live]
             ids = [f"{w}-{i}" for i in live]
             if policy.skip(r):
-                lengths, got, t, d = None, np.zeros(r, np.int64), float(curve.plain(r, r)), 0.0
+                lengths, got, t, d = None, np.zeros(r, np.int64), float(plain(r, r)), 0.0
             else:
                 raw = np.stack([b[0] for b in blocks])
                 lengths = policy.lengths(ids, raw, raw, [b[1] for b in blocks])
@@ -140,7 +144,9 @@ def oracle(blocks: Blocks, curve, warmup: int = WARMUP_STEPS, iters: int = 30) -
     verify m of the sum-of-a accepted drafts (R + m tokens, T_spec(R, R + m) +
     T_draft). Whole-run throughput sum(n) / sum(t) is maximised exactly by
     Dinkelbach's iteration: pick each step's option maximising n - theta t,
-    set theta to the resulting ratio, repeat until it stops rising."""
+    set theta to the resulting ratio, repeat until it stops rising. Running
+    an engine without speculation instead is the other option, taken if it
+    is faster (on a CPU its steps are cheaper than skipped ones)."""
     acc = blocks.accepted[warmup:]
     steps, r = acc.shape
     total = acc.sum(1)  # accepted drafts available per step
@@ -160,4 +166,5 @@ def oracle(blocks: Blocks, curve, warmup: int = WARMUP_STEPS, iters: int = 30) -
             break
         theta, best = new, Result(float(n), float(t), float(np.where(draft_better, m[pick], 0).sum()),
                                   int(draft_better.sum()))
-    return best
+    nospec_t = float(curve.nospec(r, r)) * steps
+    return best if best.tokens_per_s >= r * steps / nospec_t else Result(float(r * steps), nospec_t)

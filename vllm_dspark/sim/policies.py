@@ -38,7 +38,10 @@ class Policy:
 
 
 class NoSpec(Policy):
+    """An engine without speculation configured: its steps cost curve.nospec."""
+
     name = "nospec"
+    no_drafter = True
 
     def skip(self, num_reqs):
         return True
