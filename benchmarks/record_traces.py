@@ -60,11 +60,7 @@ def measure_plain(label: str, prompts: list[str], concurrencies: list[int], max_
                   drafter: str | None = None) -> dict:
     """Decode tokens/s per concurrency of an engine without speculation
     (``drafter`` None) or of a DSpark engine that always skips drafting, and
-    its plain step as a curve: a linear fit T(R) = t0 + t_req R of the
-    measured step times for no-spec; the engine's own online plain model for
-    the skipping engine."""
-    import numpy as np
-
+    its step as a curve (plain_curve)."""
     from vllm_dspark.benchmarking import measure_offline, start_engine, stop_engine
 
     spec = None if drafter is None else {"method": "dspark", "model": drafter, "num_speculative_tokens": 7}
@@ -77,15 +73,22 @@ def measure_plain(label: str, prompts: list[str], concurrencies: list[int], max_
             sample = measure_offline(llm, prompts[: max(2 * c, 8)], c, max_tokens)
             measured[str(c)] = sample.as_dict()
             print(f"[trace] {label} c={c}: {sample.tokens_per_s:.1f} tok/s", flush=True)
-        learned = llm.collective_rpc("dspark_snapshot")[0]["plain_cost_params"] if drafter else None
     finally:
         stop_engine(llm)
-    if learned is not None:
-        return {"measured": measured, "curve": learned}
+    return {"measured": measured, "curve": plain_curve(measured)}
+
+
+def plain_curve(measured: dict) -> dict:
+    """A linear fit T(R) = t0 + t_req R of the measured decode step times
+    (one token per request per step; the engine's own online model would
+    extrapolate its recent batch size to the others)."""
+    import numpy as np
+
+    concurrencies = sorted(int(c) for c in measured)
     cs = np.array(concurrencies, float)
     step_s = np.array([c / measured[str(c)]["tokens_per_s"] for c in concurrencies])
     t_req, t0 = np.polyfit(cs, step_s, 1)
-    return {"measured": measured, "curve": {"t0": max(float(t0), 1e-6), "t_req": max(float(t_req), 0.0), "t_tok": 0.0}}
+    return {"t0": max(float(t0), 1e-6), "t_req": max(float(t_req), 0.0), "t_tok": 0.0}
 
 
 def main(argv=None) -> None:
