@@ -46,7 +46,6 @@ class DSparkRunnerMixin:
                                        cache_dir=_cache_dir(), trace_dir=envs.VLLM_DSPARK_TRACE_DIR)
         rank = vllm_config.parallel_config.rank
         self._dspark_draft = (0.0, 0)  # (seconds, requests drafted) of this step's drafting
-        self._dspark_skipped = False
         self._dspark_snapshots = SnapshotWriter(
             snapshot_dir(vllm_config.instance_id) if rank == 0 else None, rank, self.dspark.snapshot)
 
@@ -81,17 +80,17 @@ class DSparkRunnerMixin:
         # The whole drafting path (vLLM's input preparation included) is timed:
         # it is what skipping the drafter saves.
         t0 = time.perf_counter()
-        self._dspark_skipped = False
-        drafts = self._dspark_propose(*args, **kwargs)
-        # Blocks drafted, even if the controller then verifies none of them:
-        # the drafting model must learn from those steps too (else, when no
-        # length pays, it never becomes trusted and probes never back off).
-        self._dspark_draft = (time.perf_counter() - t0, 0 if self._dspark_skipped else len(drafts))
+        drafts, drafted = self._dspark_propose(*args, **kwargs)
+        self._dspark_draft = (time.perf_counter() - t0, drafted)
         return drafts
 
     def _dspark_propose(self, scheduler_output, sampled_token_ids, sampling_metadata,
                         hidden_states, sample_hidden_states, aux_hidden_states,
                         spec_decode_metadata, common_attn_metadata, slot_mappings):
+        """(drafts per request, blocks drafted). Blocks count even when the
+        controller then verifies none of them: the drafting model must learn
+        from those steps too (else, when no length pays, it never becomes
+        trusted and probes never back off)."""
         req_ids = list(self.input_batch.req_ids)
         outcome = self.rejection_sampler.last_outcome
         if outcome is not None:
@@ -102,21 +101,20 @@ class DSparkRunnerMixin:
             n = scheduler_output.total_num_scheduled_tokens
             self.drafter.defer_context(aux_hidden_states, self._get_positions(n),
                                        common_attn_metadata.slot_mapping)
-            self._dspark_skipped = True
-            return [[] for _ in req_ids]
+            return [[] for _ in req_ids], 0
         drafts = super().propose_draft_token_ids(
             scheduler_output, sampled_token_ids, sampling_metadata, hidden_states, sample_hidden_states,
             aux_hidden_states, spec_decode_metadata, common_attn_metadata, slot_mappings)
         confidence = self.drafter.last_confidence
         self.drafter.last_confidence = None
         if not torch.is_tensor(drafts) or confidence is None:
-            return drafts
+            return drafts, len(drafts)
         rows = req_ids[: drafts.shape[0]]
         params = [self.requests[rid].sampling_params for rid in rows]
         caps = self.dspark.request_caps([p.extra_args for p in params])
         greedy = [p.temperature < GREEDY_EPS for p in params]
         lengths = self.dspark.choose(rows, confidence, caps, greedy)
-        return [row[:n] for row, n in zip(drafts.tolist(), lengths)]
+        return [row[:n] for row, n in zip(drafts.tolist(), lengths)], len(rows)
 
 
 def _cost_fingerprint(vllm_config) -> str:

@@ -39,7 +39,7 @@ import torch
 from vllm_dspark import ops
 from vllm_dspark.config import MAX_VERIFY_KEY, DSparkKnobs
 from vllm_dspark.controller.calibration import PositionCalibrator
-from vllm_dspark.controller.cost_curve import load_cost_curve
+from vllm_dspark.controller.cost_curve import CostCurve, load_cost_curve
 from vllm_dspark.controller.cost_model import ERROR_WINDOW, OnlineCostModel
 from vllm_dspark.controller.signals import LoadSignals, load_of, prefill_tokens
 from vllm_dspark.controller.trace import TraceWriter
@@ -49,8 +49,8 @@ MAX_ENGINE_GAP_S = 0.05
 GAP_EMA = 0.9
 SAVE_EVERY_STEPS = 500
 # While speculation does not pay, drafting is skipped, except one probe step
-# in this many, which refreshes the survival estimate; once the cost models
-# are trusted, each probe that finds it still does not pay doubles the wait,
+# in this many, which refreshes the survival estimate; once the drafting cost
+# is measured, each probe that finds it still does not pay doubles the wait,
 # up to MAX_PROBE_EVERY.
 PROBE_EVERY = 8
 MAX_PROBE_EVERY = 1024
@@ -72,7 +72,7 @@ VARY_SHIFT = 3
 MIN_TOKEN_SPREAD = 0.1
 # Until a step-cost model has this many observations it is not trusted.
 MIN_OBSERVATIONS = 20
-# The skip rule's mean confidences fade by this factor per drafted block (not
+# The skip rule's mean survivals fade by this factor per drafted block (not
 # per step): at batch 1 a handful of blocks is too noisy to lock drafting out on.
 SURVIVAL_EMA = 0.99
 
@@ -102,9 +102,7 @@ class DSparkController:
         self.plain_cost = model("plain")  # target steps that do not
         self.draft_cost = model("draft")
         if knobs.cost_curve:
-            curve = load_cost_curve(knobs.cost_curve)
-            for m, params in ((self.cost, curve.spec), (self.plain_cost, curve.plain), (self.draft_cost, curve.draft)):
-                m.pin(params, knobs.cost_curve)
+            self.pin_costs(load_cost_curve(knobs.cost_curve), knobs.cost_curve)
         # Acceptance means different things at temperature 0 (argmax match) and
         # above (min(1, p/q)), so each mode gets its own calibration.
         self.calibrators = ({"greedy": PositionCalibrator(block_len), "sampled": PositionCalibrator(block_len)}
@@ -144,6 +142,12 @@ class DSparkController:
         trace_dir = knobs.trace_dir or trace_dir
         self._trace = (TraceWriter(trace_dir, {"block_len": block_len, "policy": knobs.policy})
                        if trace_dir else None)
+
+    def pin_costs(self, curve: CostCurve, source: str) -> None:
+        """Use ``curve``'s fixed costs instead of learning them online."""
+        for model, params in ((self.cost, curve.spec), (self.plain_cost, curve.plain),
+                              (self.draft_cost, curve.draft)):
+            model.pin(params, source)
 
     # -- step boundaries ---------------------------------------------------
     def step_started(self, scheduler_output) -> None:

@@ -74,23 +74,41 @@ class Result:
         return self.tokens / self.seconds
 
 
+def _plain_cost(policy, curve):
+    """Step cost without drafts: an engine without speculation (nospec) is
+    priced as such, every other policy runs a DSpark engine that skips."""
+    return curve.nospec if getattr(policy, "no_drafter", False) else curve.plain
+
+
+def _play_step(policy, curve, plain, ids, raw, prev_raw, greedy, accepted):
+    """One step of ``len(ids)`` requests: the policy decides (skip, then
+    lengths) before it sees the outcomes, which it is shown last. Returns
+    (lengths or None, accepted drafts per request, target seconds, drafting
+    seconds)."""
+    r = len(ids)
+    if policy.skip(r):
+        lengths, got, target_s, draft_s = None, np.zeros(r, np.int64), float(plain(r, r)), 0.0
+        tokens = r
+    else:
+        lengths = policy.lengths(ids, raw, prev_raw, greedy)
+        got = np.minimum(lengths, accepted)
+        tokens = r + int(lengths.sum())
+        target_s, draft_s = float(curve.spec(r, tokens)), float(curve.draft(r))
+    policy.observe(ids, lengths, None if lengths is None else got, r, tokens, target_s, draft_s,
+                   0 if lengths is None else r)
+    return lengths, got, target_s, draft_s
+
+
 def replay(policy, blocks: Blocks, curve, warmup: int = WARMUP_STEPS) -> Result:
     steps, r, k = blocks.raw.shape
     res = Result(0.0, 0.0)
-    plain = curve.nospec if getattr(policy, "no_drafter", False) else curve.plain
+    plain = _plain_cost(policy, curve)
     for s in range(steps):
-        ids = list(blocks.ids[s])
-        if policy.skip(r):
-            lengths, gained, target_s, draft_s, tokens = None, 0, float(plain(r, r)), 0.0, r
-        else:
-            lengths = policy.lengths(ids, blocks.raw[s], blocks.prev_raw[s], blocks.greedy[s].tolist())
-            got = np.minimum(lengths, blocks.accepted[s])
-            gained, tokens = int(got.sum()), r + int(lengths.sum())
-            target_s, draft_s = float(curve.spec(r, tokens)), float(curve.draft(r))
-        policy.observe(ids, lengths, None if lengths is None else got, r, tokens, target_s, draft_s,
-                       0 if lengths is None else r)
+        lengths, got, target_s, draft_s = _play_step(
+            policy, curve, plain, list(blocks.ids[s]), blocks.raw[s], blocks.prev_raw[s],
+            blocks.greedy[s].tolist(), blocks.accepted[s])
         if s >= warmup:
-            res.tokens += r + gained
+            res.tokens += r + int(got.sum())
             res.seconds += target_s + draft_s
             if lengths is not None:
                 res.verified += float(lengths.sum())
@@ -107,7 +125,7 @@ def replay_waves(policy, trace, wave: int, max_tokens: int, prompt_tokens: int, 
     seqs = [[(np.array(b[0]), b[2], min(b[4], b[3])) for b in blocks]
             for blocks in list(trace.requests.values())[skip_requests:]]
     res = Result(0.0, 0.0)
-    plain = curve.nospec if getattr(policy, "no_drafter", False) else curve.plain
+    plain = _plain_cost(policy, curve)
     for w in range(0, len(seqs), wave):
         group = seqs[w : w + wave]
         res.seconds += float(plain(len(group), len(group) * prompt_tokens))
@@ -116,20 +134,13 @@ def replay_waves(policy, trace, wave: int, max_tokens: int, prompt_tokens: int, 
             live = [i for i in range(len(group)) if made[i] < max_tokens]
             if not live:
                 break
-            r = len(live)
             blocks = [group[i][pos[i]] if pos[i] < len(group[i]) else (np.zeros(trace.block_len), True, 0)
                       for i in live]
-            ids = [f"{w}-{i}" for i in live]
-            if policy.skip(r):
-                lengths, got, t, d = None, np.zeros(r, np.int64), float(plain(r, r)), 0.0
-            else:
-                raw = np.stack([b[0] for b in blocks])
-                lengths = policy.lengths(ids, raw, raw, [b[1] for b in blocks])
-                got = np.minimum(lengths, [b[2] for b in blocks])
-                t, d = float(curve.spec(r, r + int(lengths.sum()))), float(curve.draft(r))
-            policy.observe(ids, lengths, got if lengths is not None else None, r,
-                           r + (0 if lengths is None else int(lengths.sum())), t, d, 0 if lengths is None else r)
-            res.seconds += t + d
+            raw = np.stack([b[0] for b in blocks])
+            _, got, target_s, draft_s = _play_step(
+                policy, curve, plain, [f"{w}-{i}" for i in live], raw, raw, [b[1] for b in blocks],
+                np.array([b[2] for b in blocks]))
+            res.seconds += target_s + draft_s
             for j, i in enumerate(live):
                 step = min(1 + int(got[j]), max_tokens - made[i])
                 made[i] += step

@@ -65,9 +65,7 @@ class ControllerPolicy(Policy):
         self.name, self.stale = name, stale
         self.ctl = DSparkController(DSparkKnobs(persist_cost_model=False, **knobs), block_len)
         if pinned is not None:
-            for model, params in ((self.ctl.cost, pinned.spec), (self.ctl.plain_cost, pinned.plain),
-                                  (self.ctl.draft_cost, pinned.draft)):
-                model.pin(params, pinned.name)
+            self.ctl.pin_costs(pinned, pinned.name)
         if calibrators is not None:
             self.ctl.calibrators = calibrators
 
