@@ -80,17 +80,28 @@ def twin_cost_us(requests: int = 64, k: int = 7, reps: int = 500) -> float:
 
 def check_targets(arms: dict) -> dict:
     """Issue targets: adaptive >= 0.97x the best other arm at every concurrency;
-    >= 1.2x full K=7 at the highest concurrency where K=7 is below no-spec."""
+    >= 1.2x full K=7 at the highest concurrency where K=7 is below no-spec.
+
+    Two estimates of adaptive against the best other arm (the one with the
+    highest median round): the ratio of the medians, and the median of the
+    per-round ratios. Arms run back to back within a round, so the per-round
+    ratio cancels the machine's slow spells, which move whole rounds by up to
+    2x here; the verdict uses it, and both are printed."""
+    import statistics
+
     rate = {name: {r["concurrency"]: r["tokens_per_s"] for r in rows} for name, rows in arms.items()}
+    rounds = {name: {r["concurrency"]: r["rounds_tokens_per_s"] for r in rows} for name, rows in arms.items()}
     adaptive = rate["dspark-adaptive"]
-    lines, ratios = [], {}
+    lines, ratios, paired = [], {}, {}
     for c, value in adaptive.items():
         best_name, best = max(((n, v[c]) for n, v in rate.items() if n != "dspark-adaptive"),
                               key=lambda kv: kv[1])
         ratios[c] = value / best
-        lines.append(f"c={c}: adaptive {value:.0f} tok/s = {ratios[c]:.2f}x the best other arm "
-                     f"({best_name}, {best:.0f}) {'OK' if ratios[c] >= 0.97 else 'MISS'}")
-    out = {"vs_best_other": ratios, "lines": lines}
+        paired[c] = statistics.median(a / b for a, b in zip(rounds["dspark-adaptive"][c], rounds[best_name][c]))
+        lines.append(f"c={c}: adaptive {value:.0f} tok/s vs the best other arm ({best_name}, {best:.0f}): "
+                     f"{paired[c]:.3f}x per round (median), {ratios[c]:.3f}x of medians "
+                     f"{'OK' if paired[c] >= 0.97 else 'MISS'}")
+    out = {"vs_best_other": ratios, "vs_best_other_per_round": paired, "lines": lines}
     if "nospec" in rate and "dspark-k7" in rate:
         losing = [c for c in adaptive if rate["dspark-k7"][c] < rate["nospec"][c]]
         if losing:
@@ -135,7 +146,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--rounds", type=int, default=3,
+    ap.add_argument("--rounds", type=int, default=7,
                     help="interleaved rounds per concurrency; each arm reports its median round")
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "dspark_vs_nospec.json")
     ap.add_argument("--cache-dir", type=Path, default=None,

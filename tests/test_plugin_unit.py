@@ -138,3 +138,40 @@ def test_post_step_round_trip_skipped_only_for_dspark_scheduler():
                                async_scheduling=False)
         EngineCore.post_step(core, True)
         assert executor.take_draft_token_ids.call_count == rpc_calls
+
+
+def test_draft_free_step_samples_the_rows_vllm_would():
+    """A step without drafts gets no spec-decode metadata (plain sampling) and
+    the same logits rows vLLM's own metadata would give; a step with drafts
+    gets vLLM's metadata unchanged."""
+    from types import SimpleNamespace
+    from unittest import mock
+
+    import numpy as np
+    import torch
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from vllm_dspark.runner import DSparkRunnerMixin
+
+    class Runner(DSparkRunnerMixin, GPUModelRunner):
+        pass
+
+    runner = object.__new__(Runner)  # only what _calc_spec_decode_metadata reads
+    runner.device = torch.device("cpu")
+    runner.arange_np = np.arange(64)
+    runner._arange_scratch = np.empty(64, dtype=np.int64)
+    runner.input_ids = SimpleNamespace(gpu=torch.arange(64, dtype=torch.int32))
+    cu = np.array([3, 4, 9, 10], dtype=np.int32)  # a prompt chunk of 3, decodes, a chunk of 5
+    for drafts in ([0, 0, 0, 0], [0, 2, 0, 1]):
+        drafts = np.array(drafts, dtype=np.int32)
+        ours = runner._calc_spec_decode_metadata(drafts, cu)
+        vllm = GPUModelRunner._calc_spec_decode_metadata(runner, drafts, cu)
+        assert ours.logits_indices.tolist() == vllm.logits_indices.tolist()
+        assert (type(ours) is type(vllm)) == bool(drafts.any())
+
+    # _prepare_inputs drops the stand-in and keeps real metadata.
+    stand_in = runner._calc_spec_decode_metadata(np.zeros(4, np.int32), cu)
+    real = GPUModelRunner._calc_spec_decode_metadata(runner, np.ones(4, np.int32), cu)
+    for meta, expected in ((stand_in, None), (real, real)):
+        with mock.patch.object(GPUModelRunner, "_prepare_inputs", return_value=(None, meta, 1)):
+            assert runner._prepare_inputs(SimpleNamespace(), None)[1] is expected

@@ -131,7 +131,7 @@ def measure_interleaved(engines: dict, prompts: list[str], concurrencies: list[i
         measure_offline(llm, prompts[:4], 4, 16)  # warm-up
     out: dict[str, list[dict]] = {name: [] for name in names}
     for c in concurrencies:
-        waves = max(2, 8 // c)
+        waves = max(2, 4 // c)  # short rounds, more of them: the machine drifts
         samples: dict[str, list[tuple[ThroughputSample, float | None]]] = {name: [] for name in names}
         for r in range(rounds):
             for name in names[r % len(names):] + names[: r % len(names)]:

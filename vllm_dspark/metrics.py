@@ -23,7 +23,7 @@ import threading
 import time
 from pathlib import Path
 
-SNAPSHOT_INTERVAL_S = 0.25
+SNAPSHOT_INTERVAL_S = 0.5
 PREFIX = "vllm_dspark:"
 
 

@@ -10,8 +10,10 @@ really shrinks and vLLM's acceptance metrics count only what was verified.
 
 import copy
 import time
+from typing import NamedTuple
 
 import torch
+from vllm.utils.torch_utils import async_tensor_h2d
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.worker import gpu_model_runner
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
@@ -45,7 +47,9 @@ class DSparkRunnerMixin:
         self.dspark = DSparkController(knobs, self.drafter.block_len, _cost_fingerprint(vllm_config),
                                        cache_dir=_cache_dir(), trace_dir=envs.VLLM_DSPARK_TRACE_DIR)
         rank = vllm_config.parallel_config.rank
-        self._dspark_draft = (0.0, 0)  # (seconds, requests drafted) of this step's drafting
+        # This step's drafting: (seconds, requests drafted, seconds of them
+        # spent writing skipped steps' queued context).
+        self._dspark_draft = (0.0, 0, 0.0)
         self._dspark_snapshots = SnapshotWriter(
             snapshot_dir(vllm_config.instance_id) if rank == 0 else None, rank, self.dspark.snapshot)
 
@@ -56,20 +60,43 @@ class DSparkRunnerMixin:
 
         return get_eagle3_aux_layers_from_config(self.speculative_config)
 
+    def _calc_spec_decode_metadata(self, num_draft_tokens, cu_num_scheduled_tokens):
+        # With speculation configured, vLLM's V1 runner builds verify metadata
+        # and samples through the rejection sampler on every step, even when no
+        # request has drafts. Such a step is a plain decode step: its logits
+        # rows are each request's last token, and _prepare_inputs below then
+        # drops the metadata, so it samples and is bookkept exactly like one.
+        if num_draft_tokens.any():
+            return super()._calc_spec_decode_metadata(num_draft_tokens, cu_num_scheduled_tokens)
+        return _LogitsRowsOnly(async_tensor_h2d(cu_num_scheduled_tokens - 1, device=self.device))
+
+    def _prepare_inputs(self, scheduler_output, *args, **kwargs):
+        logits_indices, spec_decode_metadata, max_sampled = super()._prepare_inputs(
+            scheduler_output, *args, **kwargs)
+        if isinstance(spec_decode_metadata, _LogitsRowsOnly):
+            spec_decode_metadata = None
+        return logits_indices, spec_decode_metadata, max_sampled
+
     def execute_model(self, scheduler_output, *args, **kwargs):
         self.dspark.step_started(scheduler_output)
-        self.rejection_sampler.last_outcome = None
+        if self.rejection_sampler.last_outcome is not None:  # (nn.Module setattr is slow)
+            self.rejection_sampler.last_outcome = None
         return super().execute_model(scheduler_output, *args, **kwargs)
 
     def sample_tokens(self, *args, **kwargs):
-        self._dspark_draft = (0.0, 0)
+        self._dspark_draft = (0.0, 0, 0.0)
         out = super().sample_tokens(*args, **kwargs)
         if isinstance(out, ModelRunnerOutput):
             # The drafts travel with the output (DSparkScheduler applies them),
             # saving the engine core's take_draft_token_ids round trip. A copy:
             # vLLM reuses some output objects.
             out = copy.copy(out)
-            setattr(out, DRAFTS_ATTR, self.take_draft_token_ids())
+            drafts = self.take_draft_token_ids()
+            # All empty (drafter skipped): nothing to apply; vLLM already
+            # cleared every scheduled request's drafts when it scheduled them.
+            if drafts is not None and not any(drafts.draft_token_ids):
+                drafts = None
+            setattr(out, DRAFTS_ATTR, drafts)
         self.dspark.step_finished(*self._dspark_draft)
         every = self.dspark.knobs.log_every
         if every and self.dspark.steps and self.dspark.steps % every == 0:
@@ -80,17 +107,17 @@ class DSparkRunnerMixin:
         # The whole drafting path (vLLM's input preparation included) is timed:
         # it is what skipping the drafter saves.
         t0 = time.perf_counter()
-        drafts, drafted = self._dspark_propose(*args, **kwargs)
-        self._dspark_draft = (time.perf_counter() - t0, drafted)
+        drafts, drafted, flushed = self._dspark_propose(*args, **kwargs)
+        self._dspark_draft = (time.perf_counter() - t0, drafted, flushed)
         return drafts
 
     def _dspark_propose(self, scheduler_output, sampled_token_ids, sampling_metadata,
                         hidden_states, sample_hidden_states, aux_hidden_states,
                         spec_decode_metadata, common_attn_metadata, slot_mappings):
-        """(drafts per request, blocks drafted). Blocks count even when the
-        controller then verifies none of them: the drafting model must learn
-        from those steps too (else, when no length pays, it never becomes
-        trusted and probes never back off)."""
+        """(drafts per request, blocks drafted, seconds spent writing queued
+        context). Blocks count even when the controller then verifies none of
+        them: the drafting model must learn from those steps too (else, when
+        no length pays, it never becomes trusted and probes never back off)."""
         req_ids = list(self.input_batch.req_ids)
         outcome = self.rejection_sampler.last_outcome
         if outcome is not None:
@@ -101,20 +128,30 @@ class DSparkRunnerMixin:
             n = scheduler_output.total_num_scheduled_tokens
             self.drafter.defer_context(aux_hidden_states, self._get_positions(n),
                                        common_attn_metadata.slot_mapping)
-            return [[] for _ in req_ids], 0
+            return [[] for _ in req_ids], 0, 0.0
+        # The context queued by skipped steps is written first and timed apart:
+        # it is the skipped steps' work, and counted as drafting it made a
+        # probe after a long skip look several times dearer than drafting is.
+        flushed = self.drafter.flush_context()
         drafts = super().propose_draft_token_ids(
             scheduler_output, sampled_token_ids, sampling_metadata, hidden_states, sample_hidden_states,
             aux_hidden_states, spec_decode_metadata, common_attn_metadata, slot_mappings)
         confidence = self.drafter.last_confidence
         self.drafter.last_confidence = None
         if not torch.is_tensor(drafts) or confidence is None:
-            return drafts, len(drafts)
+            return drafts, len(drafts), flushed
         rows = req_ids[: drafts.shape[0]]
         params = [self.requests[rid].sampling_params for rid in rows]
         caps = self.dspark.request_caps([p.extra_args for p in params])
         greedy = [p.temperature < GREEDY_EPS for p in params]
         lengths = self.dspark.choose(rows, confidence, caps, greedy)
-        return [row[:n] for row, n in zip(drafts.tolist(), lengths)], len(rows)
+        return [row[:n] for row, n in zip(drafts.tolist(), lengths)], len(rows), flushed
+
+
+class _LogitsRowsOnly(NamedTuple):
+    """What _prepare_inputs reads of the metadata of a step without drafts."""
+
+    logits_indices: torch.Tensor
 
 
 def _cost_fingerprint(vllm_config) -> str:

@@ -76,16 +76,14 @@ def test_uniform_admission_matches_the_op_on_identical_rows(rows, conf, base, to
     assert g == pytest.approx(gain, rel=1e-5)
 
 
-def test_probes_back_off_only_once_costs_are_measured():
+def test_probe_pace_follows_what_a_probe_costs():
     """While skipping on priors alone, probes keep every PROBE_EVERY-th step
-    (they are what measures drafting); once the drafting model is trusted,
-    the gap between probes doubles."""
+    (they are what measures drafting). Once the drafting model is trusted, the
+    gap is what keeps the probes' predicted loss near PROBE_LOSS_BUDGET:
+    long where drafting costs a lot, PROBE_EVERY where it costs next to nothing."""
     from vllm_dspark.controller import controller as cc
 
-    ctl = _ctl(slo_tokens_per_s=1e6)  # no step can meet it: never pays
-    ctl.choose(["a"], torch.zeros(1, 4), [4], [True])
-
-    def probe_gaps(steps):
+    def probe_gaps(ctl, steps):
         gaps, run = [], 0
         for _ in range(steps):
             if ctl.should_skip_drafting(1):
@@ -95,12 +93,89 @@ def test_probes_back_off_only_once_costs_are_measured():
                 run = 0
         return gaps
 
-    assert set(probe_gaps(80)) == {cc.PROBE_EVERY - 1}
-    # Only the drafting model: with no length worth verifying, probes verify
-    # nothing and the verify-step model is never measured; that must not keep
-    # probing at full pace forever.
-    for _ in range(cc.MIN_OBSERVATIONS):
-        ctl.draft_cost.observe(1, 4, 0.01)
-    gaps = probe_gaps(400)
-    # the pace in force when trust arrives runs out, then each gap doubles
-    assert gaps[:4] == [7, 15, 31, 63]
+    for draft_s, expect_long in ((0.01, True), (1e-5, False)):
+        ctl = _ctl(slo_tokens_per_s=1e6)  # no step can meet it: never pays
+        ctl.choose(["a"], torch.zeros(1, 4), [4], [True])
+        assert set(probe_gaps(ctl, 80)) == {cc.PROBE_EVERY - 1}
+        # Only the drafting model: with no length worth verifying, probes
+        # verify nothing and the verify-step model is never measured; that
+        # must not keep probing at full pace forever.
+        for _ in range(cc.MIN_OBSERVATIONS):
+            ctl.draft_cost.observe(1, 4, draft_s)
+        _, plain, draft, _ = ctl._step_costs(1)
+        loss = 1 - plain / (plain + draft)  # a probe here verifies nothing
+        expected = min(cc.MAX_PROBE_EVERY, max(cc.PROBE_EVERY, math.ceil(loss / cc.PROBE_LOSS_BUDGET)))
+        gaps = probe_gaps(ctl, 3000)
+        assert set(gaps[1:]) == {expected - 1}
+        assert (expected > 10 * cc.PROBE_EVERY) == expect_long
+
+
+def test_queued_context_write_is_no_model_s_cost(monkeypatch):
+    """A probe after skipped steps first writes their queued context; that time
+    must reach neither the drafting model nor the step's own model (counted as
+    drafting, it made probes look several times dearer than drafting is). The
+    engine's work after a step is charged to that step."""
+    from types import SimpleNamespace
+
+    from vllm_dspark.controller import controller as cc
+
+    clock = iter([0.0, 0.050, 0.051])  # a 50 ms step, then 1 ms of engine work before the next
+    monkeypatch.setattr(cc.time, "perf_counter", lambda: next(clock))
+    ctl = _ctl()
+    seen = []
+    monkeypatch.setattr(ctl, "record_step", lambda *a: seen.append(a))
+    out = SimpleNamespace(num_scheduled_tokens={"a": 1}, total_num_scheduled_tokens=1,
+                          scheduled_spec_decode_tokens={}, scheduled_new_reqs=[])
+    ctl.step_started(out)
+    ctl.step_finished(0.040, 1, excluded_seconds=0.030)  # 40 ms drafting, 30 of it the queue
+    assert not seen  # recorded once the gap after it is known
+    ctl.step_started(out)
+    (r, b, verifies, seconds, draft_seconds, drafted), = seen
+    assert (r, b, drafted) == (1, 1, 1)
+    assert seconds == pytest.approx(0.021) and draft_seconds == pytest.approx(0.010)
+
+
+def test_engine_gap_is_charged_to_the_step_before_it(monkeypatch):
+    """The engine's work between steps grows with what the step before it
+    produced: a verify step's gap must not be charged to the plain step after
+    it, and an idle pause is charged as that kind's usual gap."""
+    from types import SimpleNamespace
+
+    from vllm_dspark.controller import controller as cc
+
+    # start/end of four steps (verify, plain, plain after a 1 s pause, plain), then one more start
+    clock = iter([0.000, 0.010, 0.014, 0.019, 1.019, 1.024, 1.025, 1.030, 1.031])
+    monkeypatch.setattr(cc.time, "perf_counter", lambda: next(clock))
+    ctl = _ctl()
+    seen = []
+    monkeypatch.setattr(ctl, "record_step", lambda *a: seen.append((a[2], round(a[3], 6))))
+    for verifies in (True, False, False, False):
+        ctl.step_started(SimpleNamespace(num_scheduled_tokens={"a": 1}, total_num_scheduled_tokens=1,
+                                         scheduled_spec_decode_tokens={"a": [5]} if verifies else {},
+                                         scheduled_new_reqs=[]))
+        ctl.step_finished(0.0, 0)
+    ctl.step_started(SimpleNamespace(num_scheduled_tokens={}, total_num_scheduled_tokens=0,
+                                     scheduled_spec_decode_tokens={}, scheduled_new_reqs=[]))
+    # verify: 10 ms + its 4 ms gap; plain: 5 ms + no plain gap seen yet (the
+    # pause is idle); then 5 ms + 1 ms, twice
+    assert seen == [(True, 0.014), (False, 0.005), (False, 0.006), (False, 0.006)]
+
+
+def test_plain_cost_at_an_unseen_batch_size_comes_from_the_verify_model():
+    """Plain steps seen only at R=4 cannot tell t0 from t_req; at R=16 the
+    plain cost is the verify-step model (which has seen R=16) minus the verify
+    path's overhead measured on the plain steps, not the plain model's guess."""
+    from vllm_dspark.controller import controller as cc
+
+    ctl = _ctl()
+    true_verify = lambda r, b: 2e-3 + 5e-4 * r + 1e-4 * b  # noqa: E731
+    for i in range(6 * cc.MIN_OBSERVATIONS):
+        r, b = (4, 16)[i % 2], 1 + i % 5  # verified drafts per request vary
+        ctl.record_step(r, r * b, True, true_verify(r, r * b), 0.0, 0)
+    for _ in range(3 * cc.MIN_OBSERVATIONS):
+        ctl.record_step(4, 4, False, true_verify(4, 4) - 1e-3, 0.0, 0)  # 1 ms cheaper than verifying
+    assert ctl.cost.covers(16) and not ctl.plain_cost.covers(16) and ctl.plain_cost.covers(4)
+    _, plain16, _, _ = ctl._step_costs(16)
+    assert plain16 == pytest.approx(true_verify(16, 16) - 1e-3, rel=0.05)
+    _, plain4, _, _ = ctl._step_costs(4)
+    assert plain4 == pytest.approx(true_verify(4, 4) - 1e-3, rel=0.05)

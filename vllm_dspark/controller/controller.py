@@ -44,19 +44,33 @@ from vllm_dspark.controller.cost_model import ERROR_WINDOW, OnlineCostModel
 from vllm_dspark.controller.signals import LoadSignals, load_of, prefill_tokens
 from vllm_dspark.controller.trace import TraceWriter
 
-# Gaps between steps longer than this are idle time, not engine overhead.
+# The engine's work between two steps (the engine core taking in one step's
+# output and scheduling the next, the round trips) is charged to the step
+# before it: it grows with what that step produced, so a verify step leaves a
+# longer gap than a plain one. Gaps longer than MAX_ENGINE_GAP_S are idle
+# time; such a step is charged its kind's usual gap (an EMA).
 MAX_ENGINE_GAP_S = 0.05
 GAP_EMA = 0.9
 SAVE_EVERY_STEPS = 500
-# While speculation does not pay, drafting is skipped, except one probe step
-# in this many, which refreshes the survival estimate; once the drafting cost
-# is measured, each probe that finds it still does not pay doubles the wait,
-# up to MAX_PROBE_EVERY.
+# The plain and verify-step models are each fitted on their own steps, and the
+# engine runs mostly one kind at a time, so when the load moves, the other
+# kind's model extrapolates in R from another batch size (badly: fitted at one
+# R, it splits the step time between t0 and t_req arbitrarily). A model that
+# has not seen about this many requests lately is replaced by the other one
+# plus or minus the verify path's measured overhead (an EMA over plain steps).
+OVERHEAD_EMA = 0.9
+# While speculation does not pay, drafting is skipped, except on probe steps,
+# which refresh the survival and drafting-cost estimates. Until the drafting
+# cost is measured, one step in PROBE_EVERY is a probe. After that the wait is
+# set so that probing costs about PROBE_LOSS_BUDGET of the throughput: a
+# probe's predicted loss is the goodput it gives up against a plain step.
+# Where speculation nearly pays, a probe costs next to nothing and comes every
+# PROBE_EVERY steps (the estimates decide most there, and a few probes drawn
+# from one request would bias them); far from paying, it comes seldom, at
+# most MAX_PROBE_EVERY steps apart.
 PROBE_EVERY = 8
 MAX_PROBE_EVERY = 1024
-# Probes go back to their fast pace only after this many steps in a row look
-# worth drafting (one step at a burst's start must not undo the back-off).
-PAYS_TO_RESET_PROBES = 4
+PROBE_LOSS_BUDGET = 0.005
 # While speculating, one step in this many skips drafting anyway, so the plain
 # step's cost stays measured (it is what speculation is compared against).
 EXPLORE_EVERY = 256
@@ -117,8 +131,6 @@ class DSparkController:
         self._mean_surv: list[float] | None = None
         self._step_errors: deque[float] = deque(maxlen=ERROR_WINDOW)  # whole-step prediction error
         self._skips_in_row = 0
-        self._pays_in_row = 0
-        self._probe_every = PROBE_EVERY
         self._since_skip = 0
         self._choices = 0
         self._rng = torch.Generator().manual_seed(0)
@@ -134,7 +146,11 @@ class DSparkController:
         self._exp_sum = 0.0
         self._t_start: float | None = None
         self._t_end_prev: float | None = None
-        self._gap_s = 0.0
+        self._gap_s = {False: 0.0, True: 0.0}  # usual gap after a plain / a verify step
+        self._verify_overhead: float | None = None  # verify step minus plain step, same R and B
+        # The last step's (requests, tokens, verifies, seconds, drafting seconds,
+        # drafted), recorded once the gap after it is known.
+        self._unrecorded: tuple | None = None
         self._load: LoadSignals | None = None
         self._step_reqs = 0
         self._step_tokens = 0
@@ -152,10 +168,15 @@ class DSparkController:
     # -- step boundaries ---------------------------------------------------
     def step_started(self, scheduler_output) -> None:
         now = time.perf_counter()
-        if self._t_end_prev is not None:
+        if self._unrecorded is not None:
+            r, b, verifies, seconds, draft_seconds, drafted = self._unrecorded
+            self._unrecorded = None
             gap = now - self._t_end_prev
             if gap < MAX_ENGINE_GAP_S:
-                self._gap_s = GAP_EMA * self._gap_s + (1 - GAP_EMA) * gap
+                self._gap_s[verifies] = GAP_EMA * self._gap_s[verifies] + (1 - GAP_EMA) * gap
+            else:
+                gap = self._gap_s[verifies]
+            self.record_step(r, b, verifies, seconds + gap, draft_seconds, drafted)
         self._t_start = now
         self._load = load_of(scheduler_output)
         self._step_reqs = len(scheduler_output.num_scheduled_tokens)
@@ -163,20 +184,21 @@ class DSparkController:
         self._step_prefill = prefill_tokens(scheduler_output)
         self._step_verifies = bool(scheduler_output.scheduled_spec_decode_tokens)
 
-    def step_finished(self, draft_seconds: float, drafted_reqs: int) -> None:
+    def step_finished(self, draft_seconds: float, drafted_reqs: int, excluded_seconds: float = 0.0) -> None:
         """End of a step; ``draft_seconds`` of it went to the drafting path,
         which drafted ``drafted_reqs`` blocks (0: the drafter was skipped and
-        only took in context, a cost counted with the plain step)."""
+        only took in context, a cost counted with the plain step), and
+        ``excluded_seconds`` of that to work that belongs to no model (the
+        queued context of earlier skipped steps)."""
         if self._t_start is None:
             return
         now = time.perf_counter()
-        seconds = now - self._t_start + self._gap_s
         self._t_end_prev = now
-        self._t_start = None
+        t_start, self._t_start = self._t_start, None
         if self._step_reqs == 0:
             return
-        self.record_step(self._step_reqs, self._step_tokens, self._step_verifies, seconds,
-                         draft_seconds, drafted_reqs)
+        self._unrecorded = (self._step_reqs, self._step_tokens, self._step_verifies,
+                            now - t_start - excluded_seconds, draft_seconds - excluded_seconds, drafted_reqs)
 
     def record_step(self, r: int, b: int, verifies: bool, seconds: float, draft_seconds: float,
                     drafted_reqs: int) -> None:
@@ -185,6 +207,12 @@ class DSparkController:
         models learn from it. The simulator calls this with simulated times."""
         target = self.cost if verifies else self.plain_cost
         predicted = target.params.predict(r, b)
+        if not verifies and _trusted(self.cost) and self.cost.covers(r):
+            # What the verify path costs over a plain step of the same size:
+            # the bridge between the two models (see _step_costs).
+            over = self.cost.params.predict(r, b) - (seconds - (draft_seconds if drafted_reqs else 0.0))
+            self._verify_overhead = (OVERHEAD_EMA * self._verify_overhead + (1 - OVERHEAD_EMA) * over
+                                     if self._verify_overhead is not None else over)
         if drafted_reqs:
             predicted += self.draft_cost.params.predict(drafted_reqs, drafted_reqs * self.k)
             self.draft_cost.observe(drafted_reqs, drafted_reqs * self.k, draft_seconds)
@@ -285,6 +313,13 @@ class DSparkController:
         spec = self.cost.params
         spec_base = spec.predict(rows, tokens)
         plain = self.plain_cost.params.predict(rows, tokens) if _trusted(self.plain_cost) else spec_base
+        over = self._verify_overhead
+        if over is not None:
+            fresh_spec, fresh_plain = self.cost.covers(rows), self.plain_cost.covers(rows)
+            if fresh_spec and not fresh_plain:
+                plain = max(spec_base - over, 1e-6)
+            elif fresh_plain and not fresh_spec:
+                spec_base = plain + over
         # A verify step never costs less than a plain one with the same tokens;
         # until verify steps have been seen (all skipped, or cut to nothing),
         # the plain model stands in for them.
@@ -334,22 +369,18 @@ class DSparkController:
         surv = [min(1.0, s * self.acceptance_ratio()) for s in self._mean_surv]
         levels = [s / p if p > 0 else 0.0 for s, p in zip(surv, [1.0, *surv[:-1]])]
         n, gain = uniform_admission(levels, num_reqs, base + draft, per_token, max_step, max_tokens)
-        pays = (num_reqs + gain) / (base + draft + per_token * n) > num_reqs / plain
+        relative = (num_reqs + gain) / (base + draft + per_token * n) / (num_reqs / plain)
+        pays = relative > 1.0
         self._since_skip += 1
         # Drafting is judged against the plain step, and no other model can
         # stand in for it: until it is trusted, plain steps come at the
         # probes' pace.
         explore = self._since_skip >= (EXPLORE_EVERY if _trusted(self.plain_cost) else PROBE_EVERY)
-        self._pays_in_row = self._pays_in_row + 1 if pays else 0
-        if self._pays_in_row >= PAYS_TO_RESET_PROBES:
-            self._probe_every = PROBE_EVERY
-        if (pays and not explore) or self._skips_in_row >= self._probe_every - 1:
-            if not pays and self._models_trusted():
-                # A probe that confirmed a decision made from measured costs:
-                # the next one waits twice as long. Until then probes keep
-                # their pace, since they are what teaches the drafting model
-                # (a prior alone must not lock drafting out).
-                self._probe_every = min(2 * self._probe_every, MAX_PROBE_EVERY)
+        probe_every = PROBE_EVERY
+        if self._models_trusted():
+            loss = max(0.0, 1.0 - relative)
+            probe_every = min(MAX_PROBE_EVERY, max(PROBE_EVERY, math.ceil(loss / PROBE_LOSS_BUDGET)))
+        if (pays and not explore) or self._skips_in_row >= probe_every - 1:
             self._skips_in_row = 0
             return False
         self._skips_in_row = 0 if explore else self._skips_in_row + 1

@@ -42,10 +42,15 @@ FEATURE_SCALE = (1.0, 8.0, 64.0)
 # neighbour burst, a blocked queue): they update the error statistics but not
 # the fit.
 OUTLIER_RATIO = 4.0
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 # The reported error is over this many recent steps (the early steps, made
 # with the prior, say little about the fit).
 ERROR_WINDOW = 500
+# The fit is redone after every observation while it is young, then every
+# REFIT_EVERY (the statistics still take in every step). A refit is ~20 µs of
+# Python; with a forgetting horizon of ~100 steps, 8 steps of lag cost nothing.
+REFIT_WARMUP = 64
+REFIT_EVERY = 8
 
 
 @dataclass(frozen=True)
@@ -105,8 +110,9 @@ class OnlineCostModel:
         lam = self.forgetting
         self.xtx = [[lam * self.xtx[i][j] + x[i] * x[j] for j in range(3)] for i in range(3)]
         self.xty = [lam * self.xty[i] + x[i] * seconds for i in range(3)]
-        self._solve()
         self.observations += 1
+        if self.observations <= REFIT_WARMUP or self.observations % REFIT_EVERY == 0:
+            self._solve()
         return rel_err
 
     def _solve(self) -> None:
@@ -130,6 +136,22 @@ class OnlineCostModel:
             v0, v1 = m[0][2], m[1][2]
             resid = m[2][2] - (m[1][1] * v0 * v0 - 2 * m[0][1] * v0 * v1 + m[0][0] * v1 * v1) / det
         return math.sqrt(max(resid, 0.0) / n) / (m[0][2] / n)
+
+    def covers(self, num_reqs: int) -> bool:
+        """Has the model seen steps of about ``num_reqs`` requests lately
+        (within two decayed standard deviations of their mean, or 25% of it)?
+        Outside that its per-request cost is an extrapolation, which a model
+        fitted at one batch size cannot make (it splits a single step time
+        between t0 and t_req arbitrarily)."""
+        n = self.xtx[0][0]
+        if self.pinned:
+            return True
+        if n < 1.0:
+            return False
+        scale = FEATURE_SCALE[1]
+        mean = self.xtx[0][1] / n * scale
+        std = math.sqrt(max(self.xtx[1][1] / n * scale * scale - mean * mean, 0.0))
+        return abs(num_reqs - mean) <= max(2.0 * std, 0.25 * mean)
 
     @property
     def mean_abs_pct_error(self) -> float | None:

@@ -15,6 +15,7 @@ cut-off decided from it non-anticipating.
 """
 
 import copy
+import time
 
 import torch
 from vllm.forward_context import set_forward_context
@@ -124,13 +125,14 @@ class DSparkProposer(DFlashProposer):
             self.flush_context()
 
     @torch.inference_mode()
-    def flush_context(self) -> None:
-        """Write the queued context, oldest first. A slot freed by a finished or
-        preempted request can be queued again by its next owner; only the
-        latest write of each slot is kept, which is what writing step by step
-        would have left."""
+    def flush_context(self) -> float:
+        """Write the queued context, oldest first; returns the seconds it took.
+        A slot freed by a finished or preempted request can be queued again by
+        its next owner; only the latest write of each slot is kept, which is
+        what writing step by step would have left."""
         if not self._context_queue:
-            return
+            return 0.0
+        t0 = time.perf_counter()
         queue, self._context_queue, self._context_queued_tokens = self._context_queue, [], 0
         features, positions, slots = (torch.cat(parts) for parts in zip(*queue))
         unique, inverse = torch.unique(slots, return_inverse=True)
@@ -139,6 +141,7 @@ class DSparkProposer(DFlashProposer):
             last = torch.full_like(unique, -1).scatter_reduce_(0, inverse, order, reduce="amax")
             features, positions, slots = features[last], positions[last], slots[last]
         self.model.precompute_and_store_context_kv(self.model.combine_hidden_states(features), positions, slots)
+        return time.perf_counter() - t0
 
     @torch.inference_mode()
     def _sample_block(self, hidden: torch.Tensor, anchors: torch.Tensor, sampling_metadata):
