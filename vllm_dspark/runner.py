@@ -131,7 +131,7 @@ class DSparkRunnerMixin:
             return [[] for _ in req_ids], 0, 0.0
         # The context queued by skipped steps is written first and timed apart:
         # it is the skipped steps' work, and counted as drafting it made a
-        # probe after a long skip look several times dearer than drafting is.
+        # probe after a long skip look up to twice as dear as drafting is.
         flushed = self.drafter.flush_context()
         drafts = super().propose_draft_token_ids(
             scheduler_output, sampled_token_ids, sampling_metadata, hidden_states, sample_hidden_states,

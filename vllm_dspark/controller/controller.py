@@ -206,17 +206,18 @@ class DSparkController:
         (``draft_seconds`` of it drafting ``drafted_reqs`` blocks): the cost
         models learn from it. The simulator calls this with simulated times."""
         target = self.cost if verifies else self.plain_cost
+        target_seconds = max(seconds - (draft_seconds if drafted_reqs else 0.0), 1e-6)
         predicted = target.params.predict(r, b)
         if not verifies and _trusted(self.cost) and self.cost.covers(r):
             # What the verify path costs over a plain step of the same size:
             # the bridge between the two models (see _step_costs).
-            over = self.cost.params.predict(r, b) - (seconds - (draft_seconds if drafted_reqs else 0.0))
+            over = self.cost.params.predict(r, b) - target_seconds
             self._verify_overhead = (OVERHEAD_EMA * self._verify_overhead + (1 - OVERHEAD_EMA) * over
                                      if self._verify_overhead is not None else over)
         if drafted_reqs:
             predicted += self.draft_cost.params.predict(drafted_reqs, drafted_reqs * self.k)
             self.draft_cost.observe(drafted_reqs, drafted_reqs * self.k, draft_seconds)
-        target.observe(r, b, max(seconds - (draft_seconds if drafted_reqs else 0.0), 1e-6))
+        target.observe(r, b, target_seconds)
         self.last.num_reqs, self.last.num_tokens = r, b
         self.last.predicted_s, self.last.measured_s = predicted, seconds
         self._step_errors.append(abs(predicted - seconds) / seconds)

@@ -143,9 +143,9 @@ class OnlineCostModel:
         Outside that its per-request cost is an extrapolation, which a model
         fitted at one batch size cannot make (it splits a single step time
         between t0 and t_req arbitrarily)."""
-        n = self.xtx[0][0]
         if self.pinned:
             return True
+        n = self.xtx[0][0]
         if n < 1.0:
             return False
         scale = FEATURE_SCALE[1]

@@ -73,8 +73,9 @@ class DSparkProposer(DFlashProposer):
         """Draft one block of K tokens per request: [B, K] token ids.
 
         The draft probabilities (for sampled requests) and the confidences are
-        kept on the proposer for the runner to pick up."""
-        self.flush_context()  # skipped steps' context goes in before this step's
+        kept on the proposer for the runner to pick up. The runner calls
+        flush_context() first (and times it apart), so the skipped steps'
+        context is in the draft KV cache before this step's."""
         k = self.block_len
         self.num_speculative_tokens = k - 1
         self._last_draft_probs = None
