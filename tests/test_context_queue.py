@@ -3,7 +3,8 @@ leave its KV cache as writing step by step would have."""
 
 import torch
 
-from vllm_dspark.proposer import dspark_proposer
+from vllm_dspark.proposer import context_queue
+from vllm_dspark.proposer.context_queue import ContextQueue
 from vllm_dspark.proposer.dspark_proposer import DSparkProposer
 
 
@@ -26,7 +27,7 @@ class _FakeDrafter:
 
 def _proposer(slots=32):
     p = object.__new__(DSparkProposer)  # no vLLM config needed for the queue
-    p._context_queue, p._context_queued_tokens = [], 0
+    p.context_queue = ContextQueue()
     p.model = _FakeDrafter(slots)
     return p
 
@@ -56,10 +57,58 @@ def test_queued_writes_equal_step_by_step_writes():
 
 
 def test_queue_flushes_itself_when_full(monkeypatch):
-    monkeypatch.setattr(dspark_proposer, "CONTEXT_QUEUE_STEPS", 2)
+    monkeypatch.setattr(context_queue, "CONTEXT_QUEUE_STEPS", 2)
     p = _proposer()
     steps = list(_steps())
     p.defer_context(*steps[0])
     assert p.model.calls == 0
     p.defer_context(*steps[1])
-    assert p.model.calls == 1 and p._context_queue == []
+    assert p.model.calls == 1 and len(p.context_queue) == 0
+
+
+def test_finished_requests_context_is_not_written():
+    """Two requests a (2 tokens a step) and b (1 token); b finishes before
+    the flush: a's writes land as step by step, b's slots stay untouched."""
+    stepwise, queued = _proposer(), _proposer()
+    queued.context_queue.live_requests = {"a": object()}
+    gen = torch.Generator().manual_seed(1)
+    for step in range(3):
+        slots = torch.tensor([2 * step, 2 * step + 1, 20 + step])  # a, a, b
+        pos = torch.tensor([2 * step, 2 * step + 1, step])
+        aux = [torch.rand(3, 3, generator=gen) for _ in range(2)]
+        stepwise.defer_context([h[:2] for h in aux], pos[:2], slots[:2])
+        stepwise.flush_context()
+        queued.defer_context(aux, pos, slots, ["a", "b"], [2, 1])
+    queued.flush_context()
+    assert torch.equal(queued.model.cache, stepwise.model.cache)
+    assert (queued.model.cache[20:23] == -1).all()
+    # No live request left: nothing is written at all.
+    queued.defer_context(aux, pos, slots, ["a", "b"], [2, 1])
+    queued.context_queue.live_requests = {}
+    calls = queued.model.calls
+    queued.flush_context()
+    assert queued.model.calls == calls and len(queued.context_queue) == 0
+
+
+def test_buffer_is_reused_and_big_steps_are_written_at_once(monkeypatch):
+    """Queued steps are copies in one reused buffer (holding each step's own
+    tensors slowed the target's forward); a step too big for the buffer is
+    written at once, after what was queued before it."""
+    stepwise, queued = _proposer(), _proposer()
+    steps = list(_steps())
+    for aux, pos, slots in steps[:2]:
+        stepwise.defer_context(aux, pos, slots)
+        stepwise.flush_context()
+        queued.defer_context(aux, pos, slots)
+    buffer = queued.context_queue._features
+    for h in steps[0][0]:
+        h.fill_(123.0)  # the caller may reuse its tensors: the queue holds copies
+    queued.flush_context()
+    assert torch.equal(queued.model.cache, stepwise.model.cache)
+    queued.defer_context(*steps[2])
+    assert queued.context_queue._features is buffer
+    per_token = sum(h.shape[-1] for h in steps[2][0]) * steps[2][0][0].element_size()
+    monkeypatch.setattr(context_queue, "CONTEXT_QUEUE_BYTES", per_token)  # one token fits
+    calls = queued.model.calls
+    queued.defer_context(*steps[2])  # 2 tokens: the queued step, then this one
+    assert queued.model.calls == calls + 2 and len(queued.context_queue) == 0

@@ -41,6 +41,7 @@ class DSparkRunnerMixin:
         with rebound(gpu_model_runner, "EagleProposer", DSparkProposer):
             super().__init__(vllm_config, device)
         assert isinstance(self.drafter, DSparkProposer)
+        self.drafter.context_queue.live_requests = self.requests  # finished requests' context is dropped
         self.use_aux_hidden_state_outputs = True
         self.rejection_sampler = DSparkRejectionSampler(self.sampler, self.speculative_config, self.device)
         knobs = parse_knobs(vllm_config.additional_config)
@@ -126,8 +127,10 @@ class DSparkRunnerMixin:
             # Speculation does not pay at this load: no block, no drafts; the
             # drafter still takes in this step's tokens as context (queued).
             n = scheduler_output.total_num_scheduled_tokens
+            scheduled = scheduler_output.num_scheduled_tokens
             self.drafter.defer_context(aux_hidden_states, self._get_positions(n),
-                                       common_attn_metadata.slot_mapping)
+                                       common_attn_metadata.slot_mapping, req_ids,
+                                       [scheduled[rid] for rid in req_ids])
             return [[] for _ in req_ids], 0, 0.0
         # The context queued by skipped steps is written first and timed apart:
         # it is the skipped steps' work, and counted as drafting it made a

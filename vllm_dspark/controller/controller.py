@@ -42,6 +42,7 @@ from vllm_dspark.controller.calibration import PositionCalibrator
 from vllm_dspark.controller.cost_curve import CostCurve, load_cost_curve
 from vllm_dspark.controller.cost_model import ERROR_WINDOW, OnlineCostModel
 from vllm_dspark.controller.signals import LoadSignals, load_of, prefill_tokens
+from vllm_dspark.controller.survival import SurvivalWindow
 from vllm_dspark.controller.trace import TraceWriter
 
 # The engine's work between two steps (the engine core taking in one step's
@@ -63,7 +64,8 @@ OVERHEAD_EMA = 0.9
 # which refresh the survival and drafting-cost estimates. Until the drafting
 # cost is measured, one step in PROBE_EVERY is a probe. After that the wait is
 # set so that probing costs about PROBE_LOSS_BUDGET of the throughput: a
-# probe's predicted loss is the goodput it gives up against a plain step.
+# probe's predicted loss is the goodput it gives up against a plain step,
+# over the time it takes.
 # Where speculation nearly pays, a probe costs next to nothing and comes every
 # PROBE_EVERY steps (the estimates decide most there, and a few probes drawn
 # from one request would bias them); far from paying, it comes seldom, at
@@ -86,9 +88,6 @@ VARY_SHIFT = 3
 MIN_TOKEN_SPREAD = 0.1
 # Until a step-cost model has this many observations it is not trusted.
 MIN_OBSERVATIONS = 20
-# The skip rule's mean survivals fade by this factor per drafted block (not
-# per step): at batch 1 a handful of blocks is too noisy to lock drafting out on.
-SURVIVAL_EMA = 0.99
 
 
 @dataclass
@@ -125,10 +124,10 @@ class DSparkController:
         self.last = StepRecord()
         self.totals = {"steps": 0, "budget_tokens": 0, "length_hist": [0] * (block_len + 1),
                        "skipped_steps": 0, "verified_blocks": 0, "accepted_tokens": 0}
-        # EMA of the mean calibrated survival per position (the mean of the
-        # products, not the product of the means: confidences along a block
-        # are correlated, and the latter undercounts the expected gain).
-        self._mean_surv: list[float] | None = None
+        # Recent blocks for the skip rule: mean calibrated survival per position
+        # (the mean of the products, not the product of the means: confidences
+        # along a block are correlated, and the latter undercounts the gain).
+        self._window = SurvivalWindow(block_len)
         self._step_errors: deque[float] = deque(maxlen=ERROR_WINDOW)  # whole-step prediction error
         self._skips_in_row = 0
         self._since_skip = 0
@@ -136,14 +135,10 @@ class DSparkController:
         self._rng = torch.Generator().manual_seed(0)
         self._step_verifies = False
         # The last choice: (req id -> row, raw confidence logits [B, K], greedy
-        # per row, calibrated confidences [B, K] when tracing, expected accepted
-        # tokens per row under the chosen lengths)
-        self._pending: tuple[dict[str, int], torch.Tensor, list[bool], torch.Tensor | None, list[float]] | None = None
-        # Decayed sums of accepted and of expected (calibrated) accepted tokens
-        # over verified blocks: their ratio corrects what calibration still
-        # gets wrong on average, for the skip rule.
-        self._acc_sum = 0.0
-        self._exp_sum = 0.0
+        # per row, calibrated confidences [B, K] when tracing, each row's slot
+        # in the survival window)
+        self._pending: tuple[dict[str, int], torch.Tensor, list[bool], torch.Tensor | None,
+                             list[int | None]] | None = None
         self._t_start: float | None = None
         self._t_end_prev: float | None = None
         self._gap_s = {False: 0.0, True: 0.0}  # usual gap after a plain / a verify step
@@ -238,18 +233,18 @@ class DSparkController:
             return
         if self._trace is not None:
             self._trace_blocks(pending, req_ids, num_verified, accepted)
-        rows_of, raw, greedy, _, expected = pending
-        acc_sum = exp_sum = 0.0
-        blocks = 0
+        rows_of, raw, greedy, _, slots = pending
+        kept, ver, acc = [], [], []
         for rid, n, a in zip(req_ids, num_verified, accepted):
             i = rows_of.get(rid)
-            if i is not None and n:
-                acc_sum, exp_sum, blocks = acc_sum + a, exp_sum + expected[i], blocks + 1
-        keep = SURVIVAL_EMA ** blocks
-        self._acc_sum = keep * self._acc_sum + acc_sum
-        self._exp_sum = keep * self._exp_sum + exp_sum
+            if i is not None and slots[i] is not None:
+                kept.append(slots[i])
+                ver.append(n)
+                acc.append(a)
+        self._window.outcome(kept, ver, acc)
         if self.calibrators is None:
             return
+        self._window.changed()
         picks = {"greedy": ([], [], []), "sampled": ([], [], [])}
         for rid, n, a in zip(req_ids, num_verified, accepted):
             i = rows_of.get(rid)
@@ -268,11 +263,8 @@ class DSparkController:
                greedy: list[bool]) -> list[int]:
         """Verify lengths [B] for this step's blocks (raw confidence logits [B, K])."""
         conf = self.calibrated(conf_logits, greedy)
-        surv = torch.cumprod(conf.detach().float(), dim=1)
-        mean = surv.mean(0).tolist()
-        keep = SURVIVAL_EMA ** conf.shape[0]
-        self._mean_surv = mean if self._mean_surv is None else [
-            keep * old + (1 - keep) * new for old, new in zip(self._mean_surv, mean)]
+        raw = conf_logits.detach().float().cpu()
+        slots = self._window.add(raw, greedy)
         cap = torch.tensor(caps, dtype=torch.int32, device=conf.device).clamp(0, conf.shape[1])
         policy = self.knobs.policy
         if policy == "full":
@@ -287,12 +279,10 @@ class DSparkController:
                 shift = int(torch.randint(-VARY_SHIFT, VARY_SHIFT + 1, (1,), generator=self._rng))
                 lengths = torch.minimum(torch.clamp(lengths + shift, min=0), cap).to(torch.int32)
         out = lengths.tolist()
-        positions = torch.arange(surv.shape[1], device=surv.device)
-        expected = (surv * (positions[None, :] < lengths.to(surv.device)[:, None])).sum(1).tolist()
         # Only positions before a request's verify length get an outcome, and
         # the calibrator reads no further (verified caps what it observes).
-        self._pending = ({rid: i for i, rid in enumerate(req_ids)}, conf_logits.detach().float().cpu(), greedy,
-                         conf if self._trace is not None else None, expected)
+        self._pending = ({rid: i for i, rid in enumerate(req_ids)}, raw, greedy,
+                         conf if self._trace is not None else None, slots)
         self._record(out)
         return out
 
@@ -363,14 +353,19 @@ class DSparkController:
         drafting included) does not beat a plain step's. The drafter then only
         takes in its context (queued). Decided from past steps only:
         non-anticipating."""
-        if self.knobs.policy != "adaptive" or self._mean_surv is None or num_reqs == 0:
+        if self.knobs.policy != "adaptive" or num_reqs == 0:
             return False
+        estimate = self._window.estimate(self.calibrated)
+        if estimate is None:
+            return False
+        mean_surv, ratio = estimate
         base, plain, draft, per_token = self._step_costs(num_reqs)
         max_step, max_tokens = self._caps(num_reqs)
-        surv = [min(1.0, s * self.acceptance_ratio()) for s in self._mean_surv]
+        surv = [min(1.0, s * ratio) for s in mean_surv]
         levels = [s / p if p > 0 else 0.0 for s, p in zip(surv, [1.0, *surv[:-1]])]
         n, gain = uniform_admission(levels, num_reqs, base + draft, per_token, max_step, max_tokens)
-        relative = (num_reqs + gain) / (base + draft + per_token * n) / (num_reqs / plain)
+        spec_step = base + draft + per_token * n
+        relative = (num_reqs + gain) / spec_step / (num_reqs / plain)
         pays = relative > 1.0
         self._since_skip += 1
         # Drafting is judged against the plain step, and no other model can
@@ -379,7 +374,10 @@ class DSparkController:
         explore = self._since_skip >= (EXPLORE_EVERY if _trusted(self.plain_cost) else PROBE_EVERY)
         probe_every = PROBE_EVERY
         if self._models_trusted():
-            loss = max(0.0, 1.0 - relative)
+            # Throughput one probe gives up, in plain steps' worth: its goodput
+            # shortfall times how much longer than a plain step it takes
+            # (counted per step alone, probes came 2-3x too often at c=16).
+            loss = max(0.0, 1.0 - relative) * spec_step / plain
             probe_every = min(MAX_PROBE_EVERY, max(PROBE_EVERY, math.ceil(loss / PROBE_LOSS_BUDGET)))
         if (pays and not explore) or self._skips_in_row >= probe_every - 1:
             self._skips_in_row = 0
@@ -403,12 +401,13 @@ class DSparkController:
                 "draft": vars(self.draft_cost.params)}
 
     def acceptance_ratio(self) -> float:
-        """Accepted over expected tokens on recent verified blocks (1 until
-        there is evidence; bounded, so a few unlucky blocks cannot lock
-        drafting out)."""
-        if self._exp_sum < MIN_OBSERVATIONS:
-            return 1.0
-        return min(max(self._acc_sum / self._exp_sum, 0.5), 2.0)
+        """The skip rule's accepted over expected tokens on recent verified
+        blocks (1 until there is evidence, and under policies that never
+        skip; bounded, so a few unlucky blocks cannot lock drafting out)."""
+        # The skip rule's last estimate: snapshots read it from another
+        # thread, which must not recompute it.
+        estimate = self._window.last
+        return 1.0 if estimate is None else estimate[1]
 
     def _models_trusted(self) -> bool:
         # The drafting model is measured by every probe. The verify-step model

@@ -22,14 +22,10 @@ from vllm.forward_context import set_forward_context
 from vllm.v1.spec_decode.dflash import DFlashProposer
 
 from vllm_dspark.log import get_logger
+from vllm_dspark.proposer.context_queue import ContextQueue
 from vllm_dspark.sampling import RowParams, inverse_cdf_sample, processed_probs
 
 logger = get_logger(__name__)
-
-# Context of skipped steps is queued and written in one batch: at most this
-# many steps, or this many tokens, wait.
-CONTEXT_QUEUE_STEPS = 64
-CONTEXT_QUEUE_TOKENS = 8192
 
 
 def _as_method(vllm_config, method: str):
@@ -53,8 +49,7 @@ class DSparkProposer(DFlashProposer):
         self.block_len = self.speculative_config.num_speculative_tokens  # K
         self.num_speculative_tokens = self.block_len - 1  # masks after the anchor
         self.last_confidence: torch.Tensor | None = None  # [B, K] raw logits, this step's blocks
-        self._context_queue: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-        self._context_queued_tokens = 0
+        self.context_queue = ContextQueue()  # skipped steps' context, written before drafting
 
     def propose(
         self,
@@ -110,39 +105,37 @@ class DSparkProposer(DFlashProposer):
         return tokens
 
     def defer_context(self, aux_hidden_states: list[torch.Tensor], positions: torch.Tensor,
-                      slot_mapping: torch.Tensor) -> None:
-        """A step without drafting: queue the step's tokens for the drafter's
-        context KV cache (fused target features -> K/V of every draft layer),
-        so the drafter has no hole in its context when drafting resumes.
-        Writing them one step at a time would cost a drafter-sized pass of
-        small ops per step; queued, they go in one batched write before the
-        next drafting step (or when the queue is full)."""
-        n = positions.shape[0]
-        self._context_queue.append((torch.cat([h[:n] for h in aux_hidden_states], dim=-1),
-                                    positions[:n].clone(), slot_mapping[:n].clone()))
-        self._context_queued_tokens += n
-        if (len(self._context_queue) >= CONTEXT_QUEUE_STEPS
-                or self._context_queued_tokens >= CONTEXT_QUEUE_TOKENS):
+                      slot_mapping: torch.Tensor, req_ids: list[str] | None = None,
+                      tokens_per_req: list[int] | None = None) -> None:
+        """A step without drafting: queue its tokens for the drafter's context
+        KV cache (see context_queue.py), so the drafter has no hole in its
+        context when drafting resumes."""
+        queue, n = self.context_queue, positions.shape[0]
+        if queue.too_big(aux_hidden_states, n):  # what is queued, then this step, at once
+            self.flush_context()
+            self._write_context(torch.cat([h[:n] for h in aux_hidden_states], dim=-1),
+                                positions[:n], slot_mapping[:n])
+            return
+        if not queue.fits(aux_hidden_states, n):
+            self.flush_context()
+        queue.add(aux_hidden_states, positions, slot_mapping, req_ids, tokens_per_req)
+        if queue.full():
             self.flush_context()
 
-    @torch.inference_mode()
     def flush_context(self) -> float:
-        """Write the queued context, oldest first; returns the seconds it took.
-        A slot freed by a finished or preempted request can be queued again by
-        its next owner; only the latest write of each slot is kept, which is
-        what writing step by step would have left."""
-        if not self._context_queue:
+        """Write the queued context; returns the seconds it took."""
+        if not len(self.context_queue):
             return 0.0
         t0 = time.perf_counter()
-        queue, self._context_queue, self._context_queued_tokens = self._context_queue, [], 0
-        features, positions, slots = (torch.cat(parts) for parts in zip(*queue))
-        unique, inverse = torch.unique(slots, return_inverse=True)
-        if unique.numel() < slots.numel():
-            order = torch.arange(slots.numel(), device=slots.device)
-            last = torch.full_like(unique, -1).scatter_reduce_(0, inverse, order, reduce="amax")
-            features, positions, slots = features[last], positions[last], slots[last]
-        self.model.precompute_and_store_context_kv(self.model.combine_hidden_states(features), positions, slots)
+        batch = self.context_queue.take()
+        if batch is not None:
+            self._write_context(*batch)
         return time.perf_counter() - t0
+
+    @torch.inference_mode()
+    def _write_context(self, features: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
+        """Fused target features -> K/V of every draft layer, into its KV cache."""
+        self.model.precompute_and_store_context_kv(self.model.combine_hidden_states(features), positions, slots)
 
     @torch.inference_mode()
     def _sample_block(self, hidden: torch.Tensor, anchors: torch.Tensor, sampling_metadata):

@@ -1,0 +1,64 @@
+"""The skip rule's estimate of what a drafted block yields (survival.py)."""
+
+import pytest
+import torch
+
+from vllm_dspark.config import DSparkKnobs
+from vllm_dspark.controller import survival
+from vllm_dspark.controller.controller import DSparkController
+from vllm_dspark.controller.survival import SurvivalWindow
+
+
+def test_estimate_uses_the_calibration_as_it_is_now(monkeypatch):
+    """Blocks drafted while the calibration said 0.5 are re-read with the
+    calibration of now (an average of past calibrated values lagged it by
+    thousands of steps at batch 1)."""
+    monkeypatch.setattr(survival, "REFRESH_EVERY", 1)
+    w = SurvivalWindow(block_len=2)
+    w.add(torch.zeros(3, 2), [True] * 3)
+    scale = [0.5]
+    calibrate = lambda raw, greedy: torch.full_like(raw, scale[0])  # noqa: E731
+    assert w.estimate(calibrate)[0] == pytest.approx([0.5, 0.25])
+    scale[0] = 0.9
+    w.changed()
+    assert w.estimate(calibrate)[0] == pytest.approx([0.9, 0.81])
+
+
+def test_ratio_is_accepted_over_expected_of_verified_blocks(monkeypatch):
+    monkeypatch.setattr(survival, "MIN_EXPECTED", 1.0)
+    w = SurvivalWindow(block_len=2)
+    slots = w.add(torch.zeros(4, 2), [True] * 4)
+    w.outcome(slots[:3], [2, 2, 1], [2, 1, 0])  # the fourth block was not verified
+    calibrate = lambda raw, greedy: torch.full_like(raw, 0.5)  # noqa: E731
+    mean, ratio = w.estimate(calibrate)
+    # expected: 0.5 + 0.25 for the two blocks verified to 2, 0.5 for the third
+    assert ratio == pytest.approx(3 / (2 * 0.75 + 0.5))
+    assert mean == pytest.approx([0.5, 0.25])
+    assert w.last == (mean, ratio)
+
+
+def test_window_keeps_the_latest_blocks_and_refreshes_at_its_pace(monkeypatch):
+    monkeypatch.setattr(survival, "REFRESH_EVERY", 3)
+    w = SurvivalWindow(block_len=1, window=4)
+    slots = w.add(torch.zeros(6, 1), [True] * 6)
+    assert slots[:2] == [None, None] and sorted(slots[2:]) == [0, 1, 2, 3]
+    first = w.estimate(lambda raw, greedy: torch.sigmoid(raw))
+    w.add(torch.full((1, 1), 10.0), [True])  # new block: stale, but refreshed only every 3 estimates
+    calibrate = lambda raw, greedy: torch.sigmoid(raw)  # noqa: E731
+    assert w.estimate(calibrate) == first and w.estimate(calibrate) == first
+    assert w.estimate(calibrate)[0][0] > first[0][0]
+
+
+def test_skip_rule_drafts_once_calibration_shows_drafting_pays():
+    """Raw confidences say 0.5, every block is accepted in full: once the
+    calibrator has learned that, the skip rule's survivals follow at once."""
+    ctl = DSparkController(DSparkKnobs(persist_cost_model=False), block_len=4)
+    logits = torch.zeros(1, 4)
+    for _ in range(200):
+        ctl.choose(["a"], logits, [4], [True])
+        ctl.verified(["a"], [4], [4])
+    learned = float(ctl.calibrated(logits, [True])[0, 0])
+    assert learned > 0.8  # the calibrator moved (raw sigmoid(0) is 0.5)
+    ctl.should_skip_drafting(1)
+    mean, _ = ctl._window.last
+    assert mean[0] == pytest.approx(learned, abs=0.02)

@@ -1,0 +1,116 @@
+"""Context of steps that skipped drafting, staged for one batched write.
+
+A step without drafting still owes the drafter its tokens' context K/V (fused
+target features of every token), or drafting resumes over a hole. Written step
+by step that is a drafter-sized pass of small ops per step; staged here, it
+goes in one write before the next drafting step, or when the queue is full.
+
+Two measured choices (tiny pair, CPU, 64 requests):
+  * Staging copies into one buffer that is reused. Holding on to each step's
+    tensors instead made the target's own forward 4-8% slower (the allocator
+    could not reuse that memory); with the copies, a skipping engine's
+    forward is as fast as one without speculation.
+  * Tokens of requests that finished meanwhile are not written (their KV
+    blocks are free). Under sustained load the engine drafts seldom, and most
+    queued tokens belong to requests that never see a draft.
+"""
+
+import torch
+
+# At most this many steps, or this many bytes of target features, wait (at 64
+# requests of 64 tokens on the tiny pair, 256 steps are about three request
+# lifetimes, 24 MiB). A step bigger than the whole buffer is written at once.
+CONTEXT_QUEUE_STEPS = 256
+CONTEXT_QUEUE_BYTES = 64 << 20
+
+
+class ContextQueue:
+    def __init__(self):
+        # Request ids whose context is still wanted (the runner sets its
+        # requests dict); None keeps every queued token.
+        self.live_requests = None
+        self._features: torch.Tensor | None = None  # [capacity, sum of aux widths]
+        self._positions: torch.Tensor | None = None
+        self._slots: torch.Tensor | None = None
+        self._used = 0
+        self._steps: list[tuple[list[str] | None, list[int] | None, int]] = []
+
+    def __len__(self) -> int:
+        """Steps queued."""
+        return len(self._steps)
+
+    @staticmethod
+    def too_big(aux_hidden_states: list[torch.Tensor], num_tokens: int) -> bool:
+        """Is one step of ``num_tokens`` larger than the whole buffer?"""
+        per_token = sum(h.shape[-1] for h in aux_hidden_states) * aux_hidden_states[0].element_size()
+        return num_tokens * per_token > CONTEXT_QUEUE_BYTES
+
+    def fits(self, aux_hidden_states: list[torch.Tensor], num_tokens: int) -> bool:
+        """Can this step be staged without writing the queue first?"""
+        buf = self._features
+        return (buf is None or self._used == 0
+                or (self._used + num_tokens <= buf.shape[0]
+                    and buf.shape[1] == sum(h.shape[-1] for h in aux_hidden_states)))
+
+    def full(self) -> bool:
+        return (len(self._steps) >= CONTEXT_QUEUE_STEPS
+                or (self._features is not None and self._used >= self._features.shape[0]))
+
+    def add(self, aux_hidden_states: list[torch.Tensor], positions: torch.Tensor, slots: torch.Tensor,
+            req_ids: list[str] | None = None, tokens_per_req: list[int] | None = None) -> None:
+        """Stage a step's first ``positions.shape[0]`` tokens (``fits`` must
+        hold); ``req_ids`` with ``tokens_per_req`` (batch order) let ``take``
+        leave out requests that finished meanwhile."""
+        n = positions.shape[0]
+        first = aux_hidden_states[0]
+        width = sum(h.shape[-1] for h in aux_hidden_states)
+        buf = self._features
+        if (buf is None or buf.shape[0] < self._used + n or buf.shape[1] != width
+                or buf.dtype != first.dtype or buf.device != first.device):
+            assert self._used == 0, "fits() must hold before add()"
+            capacity = max(n, CONTEXT_QUEUE_BYTES // (width * first.element_size()))
+            self._features = buf = torch.empty(capacity, width, dtype=first.dtype, device=first.device)
+            self._positions = torch.empty(capacity, dtype=positions.dtype, device=positions.device)
+            self._slots = torch.empty(capacity, dtype=slots.dtype, device=slots.device)
+        rows = slice(self._used, self._used + n)
+        col = 0
+        for h in aux_hidden_states:
+            buf[rows, col:col + h.shape[-1]].copy_(h[:n])
+            col += h.shape[-1]
+        self._positions[rows].copy_(positions[:n])
+        self._slots[rows].copy_(slots[:n])
+        self._steps.append((req_ids, tokens_per_req, n))
+        self._used += n
+
+    def take(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """Empty the queue: (features, positions, slots) to write, oldest
+        first, without finished requests' tokens, and each slot once, with
+        its latest features (a freed slot can be queued again by its next
+        owner; that is what writing step by step would have left). None when
+        nothing is left to write. The tensors may be views of the buffer:
+        write them before the next ``add``."""
+        if not self._steps:
+            return None
+        used, steps, live = self._used, self._steps, self.live_requests
+        self._used, self._steps = 0, []
+        features, positions, slots = self._features[:used], self._positions[:used], self._slots[:used]
+        if live is not None:
+            keep, counts = [], []
+            for req_ids, per_req, n in steps:
+                if req_ids is None:
+                    keep.append(True)
+                    counts.append(n)
+                else:
+                    keep.extend(rid in live for rid in req_ids)
+                    counts.extend(per_req)
+            if not any(keep):
+                return None
+            if not all(keep):
+                mask = torch.repeat_interleave(torch.tensor(keep), torch.tensor(counts)).to(slots.device)
+                features, positions, slots = features[mask], positions[mask], slots[mask]
+        unique, inverse = torch.unique(slots, return_inverse=True)
+        if unique.numel() < slots.numel():
+            order = torch.arange(slots.numel(), device=slots.device)
+            last = torch.full_like(unique, -1).scatter_reduce_(0, inverse, order, reduce="amax")
+            features, positions, slots = features[last], positions[last], slots[last]
+        return features, positions, slots
