@@ -146,7 +146,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--rounds", type=int, default=7,
+    ap.add_argument("--rounds", type=int, default=11,
                     help="interleaved rounds per concurrency; each arm reports its median round")
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "dspark_vs_nospec.json")
     ap.add_argument("--cache-dir", type=Path, default=None,

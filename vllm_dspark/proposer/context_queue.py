@@ -73,10 +73,7 @@ class ContextQueue:
             self._positions = torch.empty(capacity, dtype=positions.dtype, device=positions.device)
             self._slots = torch.empty(capacity, dtype=slots.dtype, device=slots.device)
         rows = slice(self._used, self._used + n)
-        col = 0
-        for h in aux_hidden_states:
-            buf[rows, col:col + h.shape[-1]].copy_(h[:n])
-            col += h.shape[-1]
+        torch.cat([h[:n] for h in aux_hidden_states], dim=-1, out=buf[rows])  # rows are contiguous
         self._positions[rows].copy_(positions[:n])
         self._slots[rows].copy_(slots[:n])
         self._steps.append((req_ids, tokens_per_req, n))
