@@ -27,7 +27,7 @@ class _FakeDrafter:
 
 def _proposer(slots=32):
     p = object.__new__(DSparkProposer)  # no vLLM config needed for the queue
-    p.context_queue = ContextQueue()
+    p.context_queue = ContextQueue(p._write_context)
     p.model = _FakeDrafter(slots)
     return p
 

@@ -234,26 +234,22 @@ class DSparkController:
         if self._trace is not None:
             self._trace_blocks(pending, req_ids, num_verified, accepted)
         rows_of, raw, greedy, _, slots = pending
-        kept, ver, acc = [], [], []
-        for rid, n, a in zip(req_ids, num_verified, accepted):
-            i = rows_of.get(rid)
-            if i is not None and slots[i] is not None:
-                kept.append(slots[i])
-                ver.append(n)
-                acc.append(a)
-        self._window.outcome(kept, ver, acc)
-        if self.calibrators is None:
-            return
-        self._window.changed()
+        # Outcomes per survival-window slot, and per calibration mode for the
+        # blocks that were verified at all.
+        window = ([], [], [])
         picks = {"greedy": ([], [], []), "sampled": ([], [], [])}
         for rid, n, a in zip(req_ids, num_verified, accepted):
             i = rows_of.get(rid)
-            if i is None or n == 0:
+            if i is None:
                 continue
-            rows, ver, acc = picks["greedy" if greedy[i] else "sampled"]
-            rows.append(i)
-            ver.append(n)
-            acc.append(a)
+            if slots[i] is not None:
+                _append_outcome(window, slots[i], n, a)
+            if n:
+                _append_outcome(picks["greedy" if greedy[i] else "sampled"], i, n, a)
+        self._window.outcome(*window)
+        if self.calibrators is None:
+            return
+        self._window.changed()
         for mode, (rows, ver, acc) in picks.items():
             if rows:
                 self.calibrators[mode].observe(raw[rows], torch.tensor(ver), torch.tensor(acc))
@@ -448,6 +444,13 @@ class DSparkController:
             model.save()
         if self._trace is not None:
             self._trace.flush()
+
+
+def _append_outcome(columns: tuple[list, list, list], key: int, verified: int, accepted: int) -> None:
+    """One block's (row or slot, tokens verified, tokens accepted)."""
+    columns[0].append(key)
+    columns[1].append(verified)
+    columns[2].append(accepted)
 
 
 def _trusted(model: OnlineCostModel) -> bool:

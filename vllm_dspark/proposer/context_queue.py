@@ -25,10 +25,14 @@ CONTEXT_QUEUE_BYTES = 64 << 20
 
 
 class ContextQueue:
-    def __init__(self):
+    """``write(features, positions, slots)`` puts tokens into the drafter's
+    context KV cache; the queue calls it when full, and ``flush`` on demand."""
+
+    def __init__(self, write):
         # Request ids whose context is still wanted (the runner sets its
         # requests dict); None keeps every queued token.
         self.live_requests = None
+        self._write = write
         self._features: torch.Tensor | None = None  # [capacity, sum of aux widths]
         self._positions: torch.Tensor | None = None
         self._slots: torch.Tensor | None = None
@@ -39,36 +43,26 @@ class ContextQueue:
         """Steps queued."""
         return len(self._steps)
 
-    @staticmethod
-    def too_big(aux_hidden_states: list[torch.Tensor], num_tokens: int) -> bool:
-        """Is one step of ``num_tokens`` larger than the whole buffer?"""
-        per_token = sum(h.shape[-1] for h in aux_hidden_states) * aux_hidden_states[0].element_size()
-        return num_tokens * per_token > CONTEXT_QUEUE_BYTES
-
-    def fits(self, aux_hidden_states: list[torch.Tensor], num_tokens: int) -> bool:
-        """Can this step be staged without writing the queue first?"""
-        buf = self._features
-        return (buf is None or self._used == 0
-                or (self._used + num_tokens <= buf.shape[0]
-                    and buf.shape[1] == sum(h.shape[-1] for h in aux_hidden_states)))
-
-    def full(self) -> bool:
-        return (len(self._steps) >= CONTEXT_QUEUE_STEPS
-                or (self._features is not None and self._used >= self._features.shape[0]))
-
     def add(self, aux_hidden_states: list[torch.Tensor], positions: torch.Tensor, slots: torch.Tensor,
             req_ids: list[str] | None = None, tokens_per_req: list[int] | None = None) -> None:
-        """Stage a step's first ``positions.shape[0]`` tokens (``fits`` must
-        hold); ``req_ids`` with ``tokens_per_req`` (batch order) let ``take``
-        leave out requests that finished meanwhile."""
+        """Queue a step's first ``positions.shape[0]`` tokens; ``req_ids`` with
+        ``tokens_per_req`` (batch order) let the write leave out requests that
+        finished meanwhile."""
         n = positions.shape[0]
         first = aux_hidden_states[0]
         width = sum(h.shape[-1] for h in aux_hidden_states)
+        if n * width * first.element_size() > CONTEXT_QUEUE_BYTES:
+            # Bigger than the whole buffer: what is queued, then this step, at once.
+            self.flush()
+            self._write(torch.cat([h[:n] for h in aux_hidden_states], dim=-1), positions[:n], slots[:n])
+            return
         buf = self._features
-        if (buf is None or buf.shape[0] < self._used + n or buf.shape[1] != width
-                or buf.dtype != first.dtype or buf.device != first.device):
-            assert self._used == 0, "fits() must hold before add()"
-            capacity = max(n, CONTEXT_QUEUE_BYTES // (width * first.element_size()))
+        same_kind = (buf is not None and buf.shape[1] == width and buf.dtype == first.dtype
+                     and buf.device == first.device)
+        if not same_kind or self._used + n > buf.shape[0]:
+            self.flush()  # after it, a buffer of the same kind has room: n fits the byte bound
+        if not same_kind:
+            capacity = CONTEXT_QUEUE_BYTES // (width * first.element_size())
             self._features = buf = torch.empty(capacity, width, dtype=first.dtype, device=first.device)
             self._positions = torch.empty(capacity, dtype=positions.dtype, device=positions.device)
             self._slots = torch.empty(capacity, dtype=slots.dtype, device=slots.device)
@@ -78,14 +72,22 @@ class ContextQueue:
         self._slots[rows].copy_(slots[:n])
         self._steps.append((req_ids, tokens_per_req, n))
         self._used += n
+        if len(self._steps) >= CONTEXT_QUEUE_STEPS or self._used >= buf.shape[0]:
+            self.flush()
 
-    def take(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    def flush(self) -> None:
+        """Write everything queued (nothing when empty)."""
+        batch = self._take()
+        if batch is not None:
+            self._write(*batch)
+
+    def _take(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """Empty the queue: (features, positions, slots) to write, oldest
         first, without finished requests' tokens, and each slot once, with
         its latest features (a freed slot can be queued again by its next
         owner; that is what writing step by step would have left). None when
         nothing is left to write. The tensors may be views of the buffer:
-        write them before the next ``add``."""
+        they are written before the next ``add``."""
         if not self._steps:
             return None
         used, steps, live = self._used, self._steps, self.live_requests

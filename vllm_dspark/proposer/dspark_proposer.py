@@ -49,7 +49,7 @@ class DSparkProposer(DFlashProposer):
         self.block_len = self.speculative_config.num_speculative_tokens  # K
         self.num_speculative_tokens = self.block_len - 1  # masks after the anchor
         self.last_confidence: torch.Tensor | None = None  # [B, K] raw logits, this step's blocks
-        self.context_queue = ContextQueue()  # skipped steps' context, written before drafting
+        self.context_queue = ContextQueue(self._write_context)  # skipped steps' context
 
     def propose(
         self,
@@ -110,26 +110,14 @@ class DSparkProposer(DFlashProposer):
         """A step without drafting: queue its tokens for the drafter's context
         KV cache (see context_queue.py), so the drafter has no hole in its
         context when drafting resumes."""
-        queue, n = self.context_queue, positions.shape[0]
-        if queue.too_big(aux_hidden_states, n):  # what is queued, then this step, at once
-            self.flush_context()
-            self._write_context(torch.cat([h[:n] for h in aux_hidden_states], dim=-1),
-                                positions[:n], slot_mapping[:n])
-            return
-        if not queue.fits(aux_hidden_states, n):
-            self.flush_context()
-        queue.add(aux_hidden_states, positions, slot_mapping, req_ids, tokens_per_req)
-        if queue.full():
-            self.flush_context()
+        self.context_queue.add(aux_hidden_states, positions, slot_mapping, req_ids, tokens_per_req)
 
     def flush_context(self) -> float:
         """Write the queued context; returns the seconds it took."""
         if not len(self.context_queue):
             return 0.0
         t0 = time.perf_counter()
-        batch = self.context_queue.take()
-        if batch is not None:
-            self._write_context(*batch)
+        self.context_queue.flush()
         return time.perf_counter() - t0
 
     @torch.inference_mode()
