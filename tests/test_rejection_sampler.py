@@ -145,12 +145,46 @@ def test_greedy_rows_are_exact(sampler):
     assert out.tolist() == [[1, 2, 3], [0, -1, -1], [5, -1, -1]]
 
 
+def test_cpu_greedy_path_matches_tensor_path(sampler):
+    """All-greedy CPU batches take a list-based path; it must emit what the
+    tensor path emits, row for row, with the same accepted counts (random
+    batches with empty rows, padded -1 drafts and ties in the logits;
+    seed 0, 200 batches)."""
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        counts = torch.randint(0, 5, (int(torch.randint(1, 6, (1,), generator=gen)),), generator=gen).tolist()
+        total = sum(counts)
+        if total == 0:
+            continue  # forward() never verifies a batch without drafts
+        target = torch.randint(0, 3, (total, V), generator=gen).float()  # small ints: many ties
+        argmax = target.argmax(-1)
+        # Drafts mostly follow the argmax, so long accepted prefixes occur.
+        drafts = torch.where(torch.rand(total, generator=gen) < 0.7, argmax,
+                             torch.randint(-1, V, (total,), generator=gen)).to(torch.int32)
+        bonus = torch.randint(0, V, (len(counts),), generator=gen)
+        width = max(counts) + 1
+        fast = torch.full((len(counts), width), -1, dtype=torch.int32)
+        sampler._verify_greedy(fast, counts, drafts, target, bonus)
+        fast_outcome = sampler.last_outcome
+        slow = torch.full_like(fast, -1)
+        sampler._verify(slow, counts, drafts.long(), None, target, bonus,
+                        _sampling_metadata([0.0] * len(counts)))
+        assert torch.equal(fast, slow), (counts, fast, slow)
+        assert fast_outcome == sampler.last_outcome
+
+
 def test_invalid_draft_slots_are_rejected(sampler):
     """-1 drafts (vLLM pads new requests with them) never get accepted."""
     logits = torch.zeros(2, V)
     logits[0, 2] = 10.0
-    out = sampler(_spec_metadata([[-1]]), None, logits, _sampling_metadata([1.0])).sampled_token_ids
-    assert out[0, 0].item() != -1 and out[0, 1].item() == -1
+    for temp in (1.0, 0.0):
+        out = sampler(_spec_metadata([[-1]]), None, logits, _sampling_metadata([temp])).sampled_token_ids
+        assert out[0, 0].item() != -1 and out[0, 1].item() == -1
+        assert sampler.last_outcome == ([1], [0])
+    # The tensor path too, on a greedy row (all-greedy CPU batches take a list path).
+    out = torch.full((1, 2), -1, dtype=torch.int32)
+    sampler._verify(out, [1], torch.tensor([-1]), None, logits[:1], torch.tensor([3]), _sampling_metadata([0.0]))
+    assert out.tolist() == [[2, -1]]
 
 
 def test_seeded_requests_are_reproducible(sampler):

@@ -89,15 +89,15 @@ class DSparkRunnerMixin:
         out = super().sample_tokens(*args, **kwargs)
         if isinstance(out, ModelRunnerOutput):
             # The drafts travel with the output (DSparkScheduler applies them),
-            # saving the engine core's take_draft_token_ids round trip. A copy:
-            # vLLM reuses some output objects.
-            out = copy.copy(out)
+            # saving the engine core's take_draft_token_ids round trip. On a
+            # copy: vLLM reuses some output objects. All empty (drafter
+            # skipped): nothing to apply, and no attribute (the scheduler reads
+            # a missing one as None); vLLM already cleared every scheduled
+            # request's drafts when it scheduled them.
             drafts = self.take_draft_token_ids()
-            # All empty (drafter skipped): nothing to apply; vLLM already
-            # cleared every scheduled request's drafts when it scheduled them.
-            if drafts is not None and not any(drafts.draft_token_ids):
-                drafts = None
-            setattr(out, DRAFTS_ATTR, drafts)
+            if drafts is not None and any(drafts.draft_token_ids):
+                out = copy.copy(out)
+                setattr(out, DRAFTS_ATTR, drafts)
         self.dspark.step_finished(*self._dspark_draft)
         every = self.dspark.knobs.log_every
         if every and self.dspark.steps and self.dspark.steps % every == 0:

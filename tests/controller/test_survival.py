@@ -49,6 +49,21 @@ def test_window_keeps_the_latest_blocks_and_refreshes_at_its_pace(monkeypatch):
     assert w.estimate(calibrate)[0][0] > first[0][0]
 
 
+def test_older_blocks_weigh_less(monkeypatch):
+    """Blocks drafted many steps ago (another request, another text) hardly
+    count against the latest probe's; blocks of one step count alike."""
+    monkeypatch.setattr(survival, "MIN_EXPECTED", 1.0)
+    w = SurvivalWindow(block_len=1)
+    old = w.add(torch.full((4, 1), -2.0), [True] * 4, step=0)
+    w.outcome(old, [1] * 4, [0] * 4)
+    new = w.add(torch.full((2, 1), 2.0), [True] * 2, step=10 * survival.HALF_LIFE_STEPS)
+    w.outcome(new, [1, 1], [1, 1])
+    mean, ratio = w.estimate(lambda raw, greedy: torch.sigmoid(raw))
+    fresh = float(torch.sigmoid(torch.tensor(2.0)))
+    assert mean[0] == pytest.approx(fresh, abs=0.01)  # unweighted: (4 * 0.12 + 2 * 0.88) / 6 = 0.37
+    assert ratio == pytest.approx(1 / fresh, abs=0.02)  # the new blocks were all accepted
+
+
 def test_skip_rule_drafts_once_calibration_shows_drafting_pays():
     """Raw confidences say 0.5, every block is accepted in full: once the
     calibrator has learned that, the skip rule's survivals follow at once."""

@@ -173,10 +173,11 @@ class DSparkController:
                 gap = self._gap_s[verifies]
             self.record_step(r, b, verifies, seconds + gap, draft_seconds, drafted)
         self._t_start = now
-        self._load = load_of(scheduler_output)
+        self._load = load = load_of(scheduler_output)
         self._step_reqs = len(scheduler_output.num_scheduled_tokens)
         self._step_tokens = int(scheduler_output.total_num_scheduled_tokens)
-        self._step_prefill = prefill_tokens(scheduler_output)
+        # Read only while prompts wait (see _next_prefill): a pass over every request.
+        self._step_prefill = prefill_tokens(scheduler_output) if load is None or load.waiting > 0 else 0
         self._step_verifies = bool(scheduler_output.scheduled_spec_decode_tokens)
 
     def step_finished(self, draft_seconds: float, drafted_reqs: int, excluded_seconds: float = 0.0) -> None:
@@ -260,7 +261,7 @@ class DSparkController:
         """Verify lengths [B] for this step's blocks (raw confidence logits [B, K])."""
         conf = self.calibrated(conf_logits, greedy)
         raw = conf_logits.detach().float().cpu()
-        slots = self._window.add(raw, greedy)
+        slots = self._window.add(raw, greedy, self.steps)
         cap = torch.tensor(caps, dtype=torch.int32, device=conf.device).clamp(0, conf.shape[1])
         policy = self.knobs.policy
         if policy == "full":
