@@ -48,12 +48,15 @@ class ContextQueue:
         ``tokens_per_req`` (batch order) let the write leave out requests that
         finished meanwhile."""
         n = positions.shape[0]
-        first = aux_hidden_states[0]
-        width = sum(h.shape[-1] for h in aux_hidden_states)
+        # On CPU the tensors are exactly n rows: no slicing op (each small op
+        # costs ~10 us inside a busy engine there).
+        parts = [h if h.shape[0] == n else h[:n] for h in aux_hidden_states]
+        first = parts[0]
+        width = sum(h.shape[-1] for h in parts)
         if n * width * first.element_size() > CONTEXT_QUEUE_BYTES:
             # Bigger than the whole buffer: what is queued, then this step, at once.
             self.flush()
-            self._write(torch.cat([h[:n] for h in aux_hidden_states], dim=-1), positions[:n], slots[:n])
+            self._write(torch.cat(parts, dim=-1), positions[:n], slots[:n])
             return
         buf = self._features
         same_kind = (buf is not None and buf.shape[1] == width and buf.dtype == first.dtype
@@ -64,11 +67,9 @@ class ContextQueue:
             capacity = CONTEXT_QUEUE_BYTES // (width * first.element_size())
             self._features = buf = torch.empty(capacity, width, dtype=first.dtype, device=first.device)
             self._places = torch.empty(capacity, 2, dtype=torch.int64, device=positions.device)
-        # Two ops a step (each small op costs ~10 us inside a busy engine on
-        # CPU; the tensors are exactly n rows there, so no slicing either).
+        # Two ops a step: features, then positions and slots side by side.
         end = self._used + n
-        torch.cat([h if h.shape[0] == n else h[:n] for h in aux_hidden_states], dim=-1,
-                  out=buf[self._used:end])  # rows are contiguous
+        torch.cat(parts, dim=-1, out=buf[self._used:end])  # rows are contiguous
         torch.stack([positions[:n], slots[:n]], dim=1, out=self._places[self._used:end])
         self._steps.append((req_ids, tokens_per_req, n))
         self._used = end
