@@ -9,6 +9,7 @@ really shrinks and vLLM's acceptance metrics count only what was verified.
 """
 
 import copy
+import functools
 import time
 from typing import NamedTuple
 
@@ -123,7 +124,8 @@ class DSparkRunnerMixin:
         outcome = self.rejection_sampler.last_outcome
         if outcome is not None:
             self.dspark.verified(req_ids, *outcome)
-        if self.dspark.should_skip_drafting(len(req_ids)):
+        caps = functools.cache(lambda: self._request_caps(req_ids, outcome))
+        if self.dspark.should_skip_drafting(len(req_ids), caps):
             # Speculation does not pay at this load: no block, no drafts; the
             # drafter still takes in this step's tokens as context (queued).
             n = scheduler_output.total_num_scheduled_tokens
@@ -144,11 +146,21 @@ class DSparkRunnerMixin:
         if not torch.is_tensor(drafts) or confidence is None:
             return drafts, len(drafts), flushed
         rows = req_ids[: drafts.shape[0]]
-        params = [self.requests[rid].sampling_params for rid in rows]
-        caps = self.dspark.request_caps([p.extra_args for p in params])
-        greedy = [p.temperature < GREEDY_EPS for p in params]
-        lengths = self.dspark.choose(rows, confidence, caps, greedy)
+        greedy = [self.requests[rid].sampling_params.temperature < GREEDY_EPS for rid in rows]
+        lengths = self.dspark.choose(rows, confidence, caps()[: len(rows)], greedy)
         return [row[:n] for row, n in zip(drafts.tolist(), lengths)], len(rows), flushed
+
+    def _request_caps(self, req_ids: list[str], outcome) -> list[int]:
+        """Each request's verify cap: its dspark_max_verify, and the tokens
+        left before its max_tokens. Drafting runs before vLLM's bookkeeping
+        appends this step's tokens (1 + accepted drafts) to the outputs."""
+        produced = [1 + a for a in outcome[1]] if outcome is not None else [1] * len(req_ids)
+        states = [self.requests[rid] for rid in req_ids]
+        params = [st.sampling_params for st in states]
+        return self.dspark.request_caps(
+            [p.extra_args for p in params],
+            [None if p.max_tokens is None else p.max_tokens - len(st.output_token_ids) - k
+             for p, st, k in zip(params, states, produced)])
 
 
 class _LogitsRowsOnly(NamedTuple):

@@ -31,6 +31,7 @@ class DSparkScheduler(Scheduler):
             kv_usage=float(self.kv_cache_manager.usage),
             scheduled_tokens=int(out.total_num_scheduled_tokens),
             token_budget=int(self.max_num_scheduled_tokens),
+            max_running=int(self.max_num_running_reqs),
         ))
         return out
 

@@ -181,3 +181,117 @@ def test_plain_cost_at_an_unseen_batch_size_comes_from_the_verify_model():
     assert plain16 == pytest.approx(true_verify(16, 16) - 1e-3, rel=0.05)
     _, plain4, _, _ = ctl._step_costs(4)
     assert plain4 == pytest.approx(true_verify(4, 4) - 1e-3, rel=0.05)
+
+
+def test_request_caps_stop_at_max_tokens():
+    """A step yields at most verified + 1 tokens: a request with n tokens left
+    before max_tokens verifies at most n - 1 (none when it ends this step)."""
+    ctl = _ctl()
+    assert ctl.request_caps([None, {"dspark_max_verify": 2}, None, None, None],
+                            [100, 100, 3, 1, 0]) == [4, 2, 2, 0, 0]
+    assert ctl.request_caps([None], [None]) == [4]
+
+
+def test_level_counts():
+    from vllm_dspark.controller.controller import level_counts
+
+    assert level_counts([0, 2, 4, 4, 9], 4) == [4, 4, 3, 3]
+    assert level_counts([], 3) == [0, 0, 0]
+
+
+@pytest.mark.parametrize("caps,max_tokens", [
+    ([0] * 4 + [2] * 6 + [7] * 6, 1 << 30),
+    ([0] * 4 + [2] * 6 + [7] * 6, 17),  # the token cap cuts the second level
+    ([1, 3, 5, 7], 1 << 30),
+])
+def test_uniform_admission_with_caps_matches_the_op(caps, max_tokens):
+    from vllm_dspark.controller.controller import level_counts, uniform_admission
+    from vllm_dspark.ops.reference import adaptive_lengths
+
+    conf = [0.95] * 7
+    rows = len(caps)
+    c = torch.tensor([conf] * rows)
+    lengths = adaptive_lengths(c, torch.tensor(caps, dtype=torch.int32), 5e-3, 1e-4, math.inf, max_tokens)
+    surv = torch.cumprod(c, 1)
+    gain = float(surv[torch.arange(7)[None, :] < lengths[:, None].long()].sum())
+    n, g = uniform_admission(conf, rows, 5e-3, 1e-4, math.inf, max_tokens, level_counts(caps, 7))
+    assert 0 < n == int(lengths.sum())
+    assert g == pytest.approx(gain, rel=1e-5)
+
+
+def _skip_rule_ctl():
+    """A controller whose window says every drafted token is accepted, on
+    pinned costs where drafting one block pays at R=1."""
+    from vllm_dspark.controller.cost_curve import CostCurve
+    from vllm_dspark.controller.cost_model import CostParams
+
+    ctl = _ctl()
+    linear = CostParams(5e-3, 1e-4, 1e-4)
+    ctl.pin_costs(CostCurve("test", spec=linear, plain=linear, draft=CostParams(3e-3, 1e-4, 1e-5)), "test")
+    logits = torch.full((1, 4), 6.0)
+    for _ in range(50):
+        ctl.choose(["a"], logits, [4], [True])
+        ctl.verified(["a"], [4], [4])
+    return ctl
+
+
+def _start(ctl, waiting, running=1, prompt_tokens=0):
+    """A step of one decoding request ("a"), and one prompt chunk if asked."""
+    from types import SimpleNamespace
+
+    from vllm_dspark.controller.signals import ATTR, LoadSignals
+
+    scheduled = {"a": 1, **({"p": prompt_tokens} if prompt_tokens else {})}
+    load = LoadSignals(running=running, waiting=waiting, kv_usage=0.1, scheduled_tokens=sum(scheduled.values()),
+                       token_budget=4096, max_running=64)
+    ctl.step_started(SimpleNamespace(num_scheduled_tokens=scheduled, total_num_scheduled_tokens=sum(scheduled.values()),
+                                     scheduled_spec_decode_tokens={}, scheduled_new_reqs=[],
+                                     **{ATTR: load}))
+
+
+def test_skip_rule_values_tokens_at_the_batch_about_to_run():
+    """One running request: its drafts pay (about 4 tokens worth 5 ms each
+    against 3.5 ms of drafting and verifying). With 63 prompts queued behind
+    it the batch is about to hold 64, where a token is worth a 64th of a
+    decode step (0.28 ms): the same drafts no longer pay."""
+    ctl = _skip_rule_ctl()
+    _start(ctl, waiting=0)
+    assert not ctl.should_skip_drafting(1)
+    _start(ctl, waiting=63)
+    assert ctl.should_skip_drafting(1)
+
+
+def test_skip_rule_skips_a_request_with_nothing_left_to_verify():
+    ctl = _skip_rule_ctl()
+    _start(ctl, waiting=0)
+    assert not ctl.should_skip_drafting(1, caps=lambda: [4])
+    assert ctl.should_skip_drafting(1, caps=lambda: [0])  # it reaches max_tokens this step
+
+
+def test_skip_rule_values_tokens_at_the_admitted_batch():
+    """Prompts being taken in: this step runs 1 request, 63 more are admitted
+    (running, not yet decoding); their batch is what a token is valued at."""
+    ctl = _skip_rule_ctl()
+    _start(ctl, waiting=0, running=64)
+    assert ctl.should_skip_drafting(1)
+
+
+def test_probes_wait_out_prompt_steps(monkeypatch):
+    """Skipping, a due probe is put off while a step takes in prompts, but by
+    no more than another probe gap."""
+    from vllm_dspark.controller import controller as cc
+
+    monkeypatch.setattr(cc, "PROBE_LOSS_BUDGET", 1e9)  # probes as often as allowed: every PROBE_EVERY
+    ctl = _skip_rule_ctl()
+    for _ in range(cc.PROBE_EVERY - 1):
+        _start(ctl, waiting=0, running=64)
+        assert ctl.should_skip_drafting(1)
+    _start(ctl, waiting=0, running=64, prompt_tokens=47)
+    assert ctl.should_skip_drafting(1)  # due, but this step takes in a prompt
+    _start(ctl, waiting=0, running=64)
+    assert not ctl.should_skip_drafting(1)  # the probe
+    for _ in range(2 * cc.PROBE_EVERY - 1):
+        _start(ctl, waiting=0, running=64, prompt_tokens=47)
+        assert ctl.should_skip_drafting(1)
+    _start(ctl, waiting=0, running=64, prompt_tokens=47)
+    assert not ctl.should_skip_drafting(1)  # prompts on every step: probed anyway

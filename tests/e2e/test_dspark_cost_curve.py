@@ -55,3 +55,19 @@ def test_pinned_curve_is_used_not_learned(llm):
     assert snap["cost_params"] == CURVE["spec"] and snap["draft_cost_params"] == CURVE["draft"]
     assert snap["plain_cost_params"] == CURVE["spec"]  # "plain" defaults to "spec"
     assert snap["cost_model_mape"] is not None  # the error against measured steps is still reported
+
+
+def test_nothing_is_verified_past_max_tokens(llm, identity_prompts, nospec_reference):
+    """A step yields at most its verified drafts + 1 tokens, so a request
+    verifies at most one less than the tokens it has left. With max_tokens=2
+    (one token from the prompt step, one to go) nothing is verified, though on
+    this curve drafting pays (the control: 16 tokens do verify drafts)."""
+    ref = nospec_reference["token_ids"][:4]
+    before = spec_counters(llm)
+    outs = llm.generate(identity_prompts[:4], greedy_params(2), use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == [r[:2] for r in ref]
+    after = spec_counters(llm)
+    assert after["num_draft_tokens"] == before["num_draft_tokens"]
+    outs = llm.generate(identity_prompts[:4], greedy_params(16), use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == [r[:16] for r in ref]
+    assert spec_counters(llm)["num_draft_tokens"] > after["num_draft_tokens"]

@@ -245,6 +245,13 @@ LEDGER: tuple[Hook, ...] = (
         ("self", "num_tokens"),
     ),
     Hook(
+        "vllm.v1.worker.gpu_input_batch.CachedRequestState", "call",
+        "The runner's request states: sampling_params (temperature, max_tokens, "
+        "extra_args) and output_token_ids give each request's greediness and verify "
+        "cap (dspark_max_verify; the tokens left before max_tokens).", "-", "-",
+        ("req_id",),
+    ),
+    Hook(
         "vllm.v1.sample.rejection_sampler.RejectionSampler", "subclass",
         "DSparkRejectionSampler: lossless variable-length verification (greedy and "
         "sampled) with our own per-token sampling parameters, because the stock CPU "

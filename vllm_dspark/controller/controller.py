@@ -19,10 +19,13 @@ Policies (additional_config["dspark"]["policy"]):
     predicted cost of the next step, with an optional step-time cap from the
     SLO floor and a token cap from the scheduler's headroom when requests wait;
     and when even the best lengths would not pay for the drafting itself
-    (predicted goodput with speculation below the plain step's), the drafter
-    is skipped for the step (it still writes its context KV), with a probe
-    step now and then to keep the estimates fresh.
-A request's own `dspark_max_verify` (SamplingParams.extra_args) caps it.
+    (the tokens they would gain are worth less than the time drafting and
+    verifying take, a token valued at a plain decode step's cost per token
+    at the batch about to run), the drafter is skipped for the step (it
+    still writes its context KV), with a probe step now and then to keep the
+    estimates fresh.
+A request's own `dspark_max_verify` (SamplingParams.extra_args) caps it, and
+so do the tokens it has left before max_tokens.
 Every input to the choice is known before the drafted tokens are looked at,
 and the per-position confidences come from earlier tokens only, so the lengths
 are non-anticipating and verification stays lossless.
@@ -31,6 +34,7 @@ are non-anticipating and verification stays lossless.
 import math
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -293,11 +297,12 @@ class DSparkController:
         return torch.where(mask, self.calibrators["greedy"].calibrate(conf_logits),
                            self.calibrators["sampled"].calibrate(conf_logits))
 
-    def _step_costs(self, rows: int) -> tuple[float, float, float, float]:
+    def _step_costs(self, rows: int, prefill: int | None = None) -> tuple[float, float, float, float]:
         """Predicted seconds for the next step with ``rows`` decoding requests
-        beside the prompt work expected with it: (verify step without its
-        drafts, plain step, drafting, per verified draft token)."""
-        tokens = rows + self._next_prefill()
+        beside ``prefill`` prompt tokens (default: the prompt work expected
+        with it): (verify step without its drafts, plain step, drafting, per
+        verified draft token)."""
+        tokens = rows + (self._next_prefill() if prefill is None else prefill)
         spec = self.cost.params
         spec_base = spec.predict(rows, tokens)
         plain = self.plain_cost.params.predict(rows, tokens) if _trusted(self.plain_cost) else spec_base
@@ -320,6 +325,21 @@ class DSparkController:
         (the last chunk of a burst must not make drafts look cheap)."""
         load = self._load
         return self._step_prefill if load is None or load.waiting > 0 else 0
+
+    def _token_value(self, rows: int) -> float:
+        """Seconds of engine time one more token is worth: what a plain decode
+        step spends per token at the batch about to run. That is the batch of
+        every admitted or queued request (up to max_num_seqs), not this step's
+        rows: while prompts are being taken in, a token gained for one request
+        with 63 more about to decode is worth a 64th of a decode step, not a
+        whole one. Prompt work is left out: it makes a step's tokens look dear
+        only while it lasts."""
+        coming = rows
+        load = self._load
+        if load is not None:
+            queued = load.running + load.waiting
+            coming = max(rows, min(queued, load.max_running) if load.max_running else queued)
+        return self._step_costs(coming, prefill=0)[1] / coming
 
     def _caps(self, rows: int) -> tuple[float, int]:
         """(step-time cap from the SLO floor, draft-token cap from the headroom)."""
@@ -344,12 +364,14 @@ class DSparkController:
         for n in lengths:
             self.totals["length_hist"][n] += 1
 
-    def should_skip_drafting(self, num_reqs: int) -> bool:
+    def should_skip_drafting(self, num_reqs: int, caps: Callable[[], list[int]] | None = None) -> bool:
         """Skip the drafter this step? Only under policy=adaptive, when the
-        goodput predicted with speculation (best lengths for recent confidences,
-        drafting included) does not beat a plain step's. The drafter then only
-        takes in its context (queued). Decided from past steps only:
-        non-anticipating."""
+        tokens speculation is expected to gain (best lengths for recent
+        confidences, within each request's cap, read from ``caps()``, default
+        K) are worth less engine time than drafting and verifying them costs.
+        In a steady decode that is the goodput rule (speculation's tokens per
+        second against a plain step's). The drafter then only takes in its
+        context (queued). Decided from past steps only: non-anticipating."""
         if self.knobs.policy != "adaptive" or num_reqs == 0:
             return False
         estimate = self._window.estimate(self.calibrated)
@@ -360,10 +382,18 @@ class DSparkController:
         max_step, max_tokens = self._caps(num_reqs)
         surv = [min(1.0, s * ratio) for s in mean_surv]
         levels = [s / p if p > 0 else 0.0 for s, p in zip(surv, [1.0, *surv[:-1]])]
-        n, gain = uniform_admission(levels, num_reqs, base + draft, per_token, max_step, max_tokens)
-        spec_step = base + draft + per_token * n
-        relative = (num_reqs + gain) / spec_step / (num_reqs / plain)
-        pays = relative > 1.0
+        value = self._token_value(num_reqs)
+
+        def saved(counts):  # seconds speculation saves this step (negative: what it loses)
+            n, gain = uniform_admission(levels, num_reqs, base + draft, per_token, max_step, max_tokens, counts)
+            return gain * value - (base - plain + draft + per_token * n)
+
+        net = saved(None)
+        if net > 0 and caps is not None:
+            # Caps only take candidates away, so they are read (a pass over
+            # every request) only when drafting pays without them.
+            net = saved(level_counts(caps(), self.k))
+        pays = net > 0
         self._since_skip += 1
         # Drafting is judged against the plain step, and no other model can
         # stand in for it: until it is trusted, plain steps come at the
@@ -371,12 +401,17 @@ class DSparkController:
         explore = self._since_skip >= (EXPLORE_EVERY if _trusted(self.plain_cost) else PROBE_EVERY)
         probe_every = PROBE_EVERY
         if self._models_trusted():
-            # Throughput one probe gives up, in plain steps' worth: its goodput
-            # shortfall times how much longer than a plain step it takes
-            # (counted per step alone, probes came 2-3x too often at c=16).
-            loss = max(0.0, 1.0 - relative) * spec_step / plain
+            # Throughput one probe gives up, in plain steps' worth (counted as
+            # a goodput shortfall per step alone, probes came 2-3x too often
+            # at c=16).
+            loss = max(0.0, -net) / plain
             probe_every = min(MAX_PROBE_EVERY, max(PROBE_EVERY, math.ceil(loss / PROBE_LOSS_BUDGET)))
-        if (pays and not explore) or self._skips_in_row >= probe_every - 1:
+        # A probe waits out steps that take in prompts (it would draft every
+        # fresh request's first block at the dearest moment), up to another
+        # probe gap (prompts may arrive on every step).
+        due = self._skips_in_row + 1
+        probe = due >= 2 * probe_every or (due >= probe_every and not self._takes_prompts())
+        if (pays and not explore) or probe:
             self._skips_in_row = 0
             return False
         self._skips_in_row = 0 if explore else self._skips_in_row + 1
@@ -406,6 +441,11 @@ class DSparkController:
         estimate = self._window.last
         return 1.0 if estimate is None else estimate[1]
 
+    def _takes_prompts(self) -> bool:
+        """This step runs prompt tokens (a step without drafts runs one token
+        per decoding request)."""
+        return not self._step_verifies and self._step_tokens > self._step_reqs
+
     def _models_trusted(self) -> bool:
         # The drafting model is measured by every probe. The verify-step model
         # may never be: when the best lengths are 0, a probe verifies nothing;
@@ -413,9 +453,15 @@ class DSparkController:
         # makes drafting look cheaper, so backing off is still safe.
         return _trusted(self.draft_cost)
 
-    def request_caps(self, extra_args: list[dict | None]) -> list[int]:
-        """Per-request caps from SamplingParams.extra_args (validated at admission)."""
-        return [int((ea or {}).get(MAX_VERIFY_KEY, self.k)) for ea in extra_args]
+    def request_caps(self, extra_args: list[dict | None], left: list[int | None] | None = None) -> list[int]:
+        """Per-request verify caps: SamplingParams.extra_args' dspark_max_verify
+        (validated at admission), and one less than the tokens ``left`` before
+        the request's max_tokens (None: no limit): a step yields at most
+        verified + 1 tokens, and verifying past max_tokens is wasted work."""
+        caps = [int(ea.get(MAX_VERIFY_KEY, self.k)) if ea else self.k for ea in extra_args]
+        if left is not None:
+            caps = [c if n is None else max(0, min(c, n - 1)) for c, n in zip(caps, left)]
+        return caps
 
     def snapshot(self) -> dict:
         """Everything /metrics and the periodic log show."""
@@ -458,27 +504,42 @@ def _trusted(model: OnlineCostModel) -> bool:
     return model.pinned or model.observations >= MIN_OBSERVATIONS
 
 
+def level_counts(caps: list[int], k: int) -> list[int]:
+    """How many requests may verify position j (cap > j), for j < k."""
+    hist = [0] * (k + 1)
+    for c in caps:
+        hist[min(max(c, 0), k)] += 1
+    counts, above = [], len(caps)
+    for j in range(k):
+        above -= hist[j]
+        counts.append(above)
+    return counts
+
+
 def uniform_admission(conf: list[float], rows: int, base_cost: float, token_cost: float,
-                      max_step_time: float, max_tokens: int) -> tuple[int, float]:
-    """ops.adaptive_lengths for ``rows`` identical requests with conditional
+                      max_step_time: float, max_tokens: int,
+                      counts: list[int] | None = None) -> tuple[int, float]:
+    """ops.adaptive_lengths for ``rows`` requests with the same conditional
     confidences ``conf`` [K], in closed form: (tokens admitted, sum of their
-    survivals). Candidates come level by level (every row's position j, then
-    j + 1); adding one of survival a to n admitted with survival sum S raises
-    goodput iff a * (base + token_cost * n) > token_cost * (rows + S), and both
-    sides grow by a * token_cost per admission, so a level is admitted whole
-    or not at all, except where a cap cuts it."""
+    survivals); ``counts[j]`` of them may verify position j (default: all).
+    Candidates come level by level (every row's position j, then j + 1);
+    adding one of survival a to n admitted with survival sum S raises goodput
+    iff a * (base + token_cost * n) > token_cost * (rows + S), and both sides
+    grow by a * token_cost per admission, so a level is admitted whole or not
+    at all, except where a cap cuts it."""
     n, gain, surv = 0, 0.0, 1.0
     limit = max_tokens
     if token_cost > 0 and math.isfinite(max_step_time):
         limit = min(limit, int(math.floor((max_step_time - base_cost) / token_cost + 1e-9)))
-    for c in conf:
+    for j, c in enumerate(conf):
         surv *= min(max(c, 0.0), 1.0)
         if surv <= 0 or surv * (base_cost + token_cost * n) <= token_cost * (rows + gain):
             break
-        take = min(rows, limit - n)
+        level = rows if counts is None else counts[j]
+        take = min(level, limit - n)
         if take <= 0:
             break
         n, gain = n + take, gain + take * surv
-        if take < rows:
+        if take < level:
             break
     return n, gain

@@ -18,6 +18,7 @@ class LoadSignals:
     kv_usage: float  # fraction of KV blocks in use, 0..1
     scheduled_tokens: int  # tokens the target runs this step
     token_budget: int  # max_num_batched_tokens
+    max_running: int = 0  # max_num_seqs: how many requests can decode at once (0: unknown)
 
     @property
     def headroom(self) -> int:
