@@ -175,3 +175,39 @@ def test_draft_free_step_samples_the_rows_vllm_would():
     for meta, expected in ((stand_in, None), (real, real)):
         with mock.patch.object(GPUModelRunner, "_prepare_inputs", return_value=(None, meta, 1)):
             assert runner._prepare_inputs(SimpleNamespace(), None)[1] is expected
+
+
+def test_requests_admitted_while_dormant_get_no_context():
+    """While the controller is dormant, the runner marks newly admitted
+    requests contextless: their verify cap is 0, their queued context is not
+    written, and the mark goes when they finish."""
+    from types import SimpleNamespace
+
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from vllm_dspark.config import DSparkKnobs
+    from vllm_dspark.controller.controller import DSparkController
+    from vllm_dspark.runner import DSparkRunnerMixin, _WantedContext
+
+    class Runner(DSparkRunnerMixin, GPUModelRunner):
+        pass
+
+    state = SimpleNamespace(sampling_params=SimpleNamespace(max_tokens=None, extra_args=None), output_token_ids=[])
+    runner = object.__new__(Runner)  # only what the admission bookkeeping reads
+    runner._contextless = set()
+    runner.requests = {"a": state, "b": state}
+    runner.dspark = DSparkController(DSparkKnobs(persist_cost_model=False), block_len=4)
+    wanted = _WantedContext(runner.requests, runner._contextless)
+
+    def step(new, finished=()):
+        return SimpleNamespace(scheduled_new_reqs=[SimpleNamespace(req_id=r) for r in new],
+                               finished_req_ids=set(finished))
+
+    assert runner._admit(step(["a"]), ["a"]) == 1  # not dormant: admitted with context
+    runner.dspark.dormant = True
+    assert runner._admit(step(["b"]), ["a", "b"]) == 1 and runner._contextless == {"b"}
+    assert runner._request_caps(["a", "b"], None) == [4, 0]
+    assert "a" in wanted and "b" not in wanted and "gone" not in wanted
+    assert runner.dspark.snapshot()["contextless_requests"] == 1
+    runner.dspark.dormant = False
+    assert runner._admit(step([], finished=["b"]), ["a"]) == 1 and not runner._contextless

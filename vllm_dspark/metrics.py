@@ -13,6 +13,8 @@ Exported (all prefixed vllm_dspark:):
   verify_length                 histogram  per-request verify lengths
   step_time_seconds{kind}       gauge    predicted / measured, last step
   cost_model_error_percent      gauge    mean |predicted - measured| / measured
+  contextless_requests_total    counter  requests admitted while dormant (no speculation)
+  dormant                       gauge    1 while new requests get no drafter context
   calibration_ece{mode,position,kind}  raw / calibrated, per draft position
 """
 
@@ -104,6 +106,10 @@ class DSparkCollector:
             if value is not None:
                 step.add_metric([kind], value)
         yield step
+        yield CounterMetricFamily(PREFIX + "contextless_requests", "Requests admitted while the controller "
+                                  "was dormant: served without speculation.", value=snap["contextless_requests"])
+        yield GaugeMetricFamily(PREFIX + "dormant", "1 while requests are admitted without drafter context "
+                                "(drafting has not paid for a while), else 0.", value=float(snap["dormant"]))
         if snap.get("cost_model_mape") is not None:
             yield GaugeMetricFamily(PREFIX + "cost_model_error_percent",
                                     "Mean absolute step-time prediction error, percent.",

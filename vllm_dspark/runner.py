@@ -42,7 +42,10 @@ class DSparkRunnerMixin:
         with rebound(gpu_model_runner, "EagleProposer", DSparkProposer):
             super().__init__(vllm_config, device)
         assert isinstance(self.drafter, DSparkProposer)
-        self.drafter.context_queue.live_requests = self.requests  # finished requests' context is dropped
+        # Requests admitted while the controller was dormant: never drafted,
+        # and their context is neither queued nor written.
+        self._contextless: set[str] = set()
+        self.drafter.context_queue.live_requests = _WantedContext(self.requests, self._contextless)
         self.use_aux_hidden_state_outputs = True
         self.rejection_sampler = DSparkRejectionSampler(self.sampler, self.speculative_config, self.device)
         knobs = parse_knobs(vllm_config.additional_config)
@@ -125,9 +128,13 @@ class DSparkRunnerMixin:
         if outcome is not None:
             self.dspark.verified(req_ids, *outcome)
         caps = functools.cache(lambda: self._request_caps(req_ids, outcome))
-        if self.dspark.should_skip_drafting(len(req_ids), caps):
+        draftable = functools.cache(lambda: self._admit(scheduler_output, req_ids))
+        if self.dspark.should_skip_drafting(len(req_ids), caps, draftable):
             # Speculation does not pay at this load: no block, no drafts; the
-            # drafter still takes in this step's tokens as context (queued).
+            # drafter still takes in this step's tokens as context (queued),
+            # unless no request here keeps context.
+            if draftable() == 0:
+                return [[] for _ in req_ids], 0, 0.0
             n = scheduler_output.total_num_scheduled_tokens
             scheduled = scheduler_output.num_scheduled_tokens
             self.drafter.defer_context(aux_hidden_states, self._get_positions(n),
@@ -150,17 +157,44 @@ class DSparkRunnerMixin:
         lengths = self.dspark.choose(rows, confidence, caps()[: len(rows)], greedy)
         return [row[:n] for row, n in zip(drafts.tolist(), lengths)], len(rows), flushed
 
+    def _admit(self, scheduler_output, req_ids: list[str]) -> int:
+        """Track the requests without drafter context: this step's new ones
+        if the controller is dormant, less those that finished. Returns how
+        many of ``req_ids`` have context."""
+        contextless = self._contextless
+        if contextless and scheduler_output.finished_req_ids:
+            contextless.difference_update(scheduler_output.finished_req_ids)
+        if self.dspark.dormant and scheduler_output.scheduled_new_reqs:
+            new = [r.req_id for r in scheduler_output.scheduled_new_reqs]
+            contextless.update(new)
+            self.dspark.admitted_without_context(len(new))
+        return len(req_ids) - sum(rid in contextless for rid in req_ids) if contextless else len(req_ids)
+
     def _request_caps(self, req_ids: list[str], outcome) -> list[int]:
         """Each request's verify cap: its dspark_max_verify, and the tokens
-        left before its max_tokens. Drafting runs before vLLM's bookkeeping
-        appends this step's tokens (1 + accepted drafts) to the outputs."""
+        left before its max_tokens; 0 without drafter context. Drafting runs
+        before vLLM's bookkeeping appends this step's tokens (1 + accepted
+        drafts) to the outputs."""
         produced = [1 + a for a in outcome[1]] if outcome is not None else [1] * len(req_ids)
         states = [self.requests[rid] for rid in req_ids]
         params = [st.sampling_params for st in states]
-        return self.dspark.request_caps(
+        caps = self.dspark.request_caps(
             [p.extra_args for p in params],
             [None if p.max_tokens is None else p.max_tokens - len(st.output_token_ids) - k
              for p, st, k in zip(params, states, produced)])
+        contextless = self._contextless
+        return [0 if rid in contextless else c for rid, c in zip(req_ids, caps)] if contextless else caps
+
+
+class _WantedContext:
+    """The request ids whose queued context is still written: live, and
+    admitted with context."""
+
+    def __init__(self, requests: dict, contextless: set[str]):
+        self._requests, self._contextless = requests, contextless
+
+    def __contains__(self, req_id: str) -> bool:
+        return req_id in self._requests and req_id not in self._contextless
 
 
 class _LogitsRowsOnly(NamedTuple):

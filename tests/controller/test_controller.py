@@ -219,13 +219,13 @@ def test_uniform_admission_with_caps_matches_the_op(caps, max_tokens):
     assert g == pytest.approx(gain, rel=1e-5)
 
 
-def _skip_rule_ctl():
+def _skip_rule_ctl(**knobs):
     """A controller whose window says every drafted token is accepted, on
     pinned costs where drafting one block pays at R=1."""
     from vllm_dspark.controller.cost_curve import CostCurve
     from vllm_dspark.controller.cost_model import CostParams
 
-    ctl = _ctl()
+    ctl = _ctl(**knobs)
     linear = CostParams(5e-3, 1e-4, 1e-4)
     ctl.pin_costs(CostCurve("test", spec=linear, plain=linear, draft=CostParams(3e-3, 1e-4, 1e-5)), "test")
     logits = torch.full((1, 4), 6.0)
@@ -295,3 +295,58 @@ def test_probes_wait_out_prompt_steps(monkeypatch):
         assert ctl.should_skip_drafting(1)
     _start(ctl, waiting=0, running=64, prompt_tokens=47)
     assert not ctl.should_skip_drafting(1)  # prompts on every step: probed anyway
+
+
+def test_dormant_after_a_long_skip_until_drafting_pays(monkeypatch):
+    """Once 90% of the last dormant_after_steps steps skipped drafting, and
+    drafting still does not pay, the controller is dormant (the runner then
+    admits requests without drafter context); a lone drafting step does not
+    end it. A step where none of the requests has context
+    always skips, even where drafting pays, and that step ends dormancy."""
+    from vllm_dspark.controller import controller as cc
+
+    monkeypatch.setattr(cc, "PROBE_LOSS_BUDGET", 1e-9)  # probes as seldom as allowed
+    ctl = _skip_rule_ctl(dormant_after_steps=16)
+    for _ in range(16):
+        _start(ctl, waiting=0, running=64)
+        assert ctl.should_skip_drafting(1) and not ctl.dormant
+    _start(ctl, waiting=0, running=64)
+    assert ctl.should_skip_drafting(1) and ctl.dormant
+    _start(ctl, waiting=0)  # one step alone, where drafting pays: it drafts
+    assert not ctl.should_skip_drafting(1)
+    _start(ctl, waiting=0, running=64)
+    seen = []  # the runner admits this step's new requests by this step's verdict
+    assert ctl.should_skip_drafting(1, draftable=lambda: seen.append(ctl.dormant) or 1)
+    assert seen == [True]  # 15 of the last 16 steps skipped
+    # Load gone: drafting pays, but the request left has no context (cap 0).
+    # Dormancy ends all the same (the rule runs every DORMANT_RECHECK_EVERY
+    # steps while no request has context), so later requests get context.
+    dormant = []
+    for _ in range(cc.DORMANT_RECHECK_EVERY):
+        _start(ctl, waiting=0)
+        assert ctl.should_skip_drafting(1, caps=lambda: [0], draftable=lambda: 0)
+        dormant.append(ctl.dormant)
+    assert dormant == [True] * (cc.DORMANT_RECHECK_EVERY - 1) + [False]
+    assert not ctl.should_skip_drafting(1, draftable=lambda: 1)
+    never = _skip_rule_ctl(dormant_after_steps=0)
+    for _ in range(100):
+        _start(never, waiting=0, running=64)
+        assert never.should_skip_drafting(1) and not never.dormant
+
+
+def test_no_probe_without_a_request_that_has_context():
+    ctl = _ctl(slo_tokens_per_s=1e6)  # never pays; untrusted models: a probe every PROBE_EVERY
+    ctl.choose(["a"], torch.zeros(1, 4), [4], [True])
+    assert all(ctl.should_skip_drafting(1, draftable=lambda: 0) for _ in range(100))
+    assert not all(ctl.should_skip_drafting(1, draftable=lambda: 1) for _ in range(100))
+
+
+def test_blocks_that_verify_nothing_stay_out_of_the_skip_rule_window():
+    """A block capped at 0 (no context, or dspark_max_verify=0) never gets an
+    outcome; its confidences must not move what the skip rule expects."""
+    ctl, alone = _ctl(policy="full"), _ctl(policy="full")
+    ctl.choose(["a", "x"], torch.tensor([[4.0] * 4, [-4.0] * 4]), [4, 0], [True, True])
+    alone.choose(["a"], torch.tensor([[4.0] * 4]), [4], [True])
+    surv, _ = ctl._window.estimate(ctl.calibrated)
+    assert surv == pytest.approx(alone._window.estimate(alone.calibrated)[0])
+    assert surv[0] > 0.9

@@ -1,6 +1,7 @@
 """When speculation cannot pay (here: an SLO no step can meet), the controller
 skips the drafter; the drafter still takes in each step's context, and greedy
-output stays exact."""
+output stays exact. Once dormant, requests are admitted without drafter
+context and never drafted (no probe either), and output stays exact."""
 
 import pytest
 
@@ -11,7 +12,9 @@ pytestmark = pytest.mark.e2e
 
 @pytest.fixture(scope="module")
 def llm(nospec_reference):
-    engine = make_llm(speculative_config=dspark_config(7), additional_config={"dspark": {"slo_tokens_per_s": 1e6}})
+    # Dormant after a single skipped step: the second batch is admitted dormant.
+    engine = make_llm(speculative_config=dspark_config(7),
+                      additional_config={"dspark": {"slo_tokens_per_s": 1e6, "dormant_after_steps": 1}})
     yield engine
     stop_engine(engine)
 
@@ -22,3 +25,14 @@ def test_skipping_drafts_stays_exact(llm, identity_prompts, nospec_reference):
     snap = llm.collective_rpc("dspark_snapshot")[0]
     assert snap["budget_tokens_total"] == 0  # a 1 us step budget admits no draft
     assert snap["skipped_steps"] > 0.7 * snap["steps"], snap  # all but the probe steps skip drafting
+
+
+def test_requests_admitted_while_dormant_are_never_drafted(llm, identity_prompts, nospec_reference):
+    before = llm.collective_rpc("dspark_snapshot")[0]
+    assert before["dormant"] and before["contextless_requests"] == 0  # the first batch came in before it
+    outs = llm.generate(identity_prompts[16:32], greedy_params(), use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == nospec_reference["token_ids"][16:32]
+    after = llm.collective_rpc("dspark_snapshot")[0]
+    assert after["contextless_requests"] == 16
+    assert after["steps"] == before["steps"]  # not one drafting step, probes included
+    assert after["skipped_steps"] >= before["skipped_steps"] + 127  # 128 tokens: every decode step skipped

@@ -252,6 +252,13 @@ LEDGER: tuple[Hook, ...] = (
         ("req_id",),
     ),
     Hook(
+        "vllm.v1.core.sched.output.SchedulerOutput", "call",
+        "The step's schedule as the worker sees it: new requests (marked contextless "
+        "while the controller is dormant), finished ones, and tokens per request.",
+        "-", "-", ("scheduled_new_reqs", "scheduled_cached_reqs", "num_scheduled_tokens",
+                   "total_num_scheduled_tokens", "scheduled_spec_decode_tokens"),
+    ),
+    Hook(
         "vllm.v1.sample.rejection_sampler.RejectionSampler", "subclass",
         "DSparkRejectionSampler: lossless variable-length verification (greedy and "
         "sampled) with our own per-token sampling parameters, because the stock CPU "

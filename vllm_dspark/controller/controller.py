@@ -92,6 +92,15 @@ VARY_SHIFT = 3
 MIN_TOKEN_SPREAD = 0.1
 # Until a step-cost model has this many observations it is not trusted.
 MIN_OBSERVATIONS = 20
+# Dormant (see should_skip_drafting) once at least this share of the last
+# knobs.dormant_after_steps steps skipped drafting: a benchmark wave's first
+# step, one request alone, drafts, and must not keep the 63 after it from
+# being admitted dormant.
+DORMANT_SKIP_SHARE = 0.9
+# While dormant with no request that has context, the full rule (whether
+# drafting would pay again, which ends dormancy) runs only every this many
+# steps: it is about 1% of a decode step at c=16 on this CPU, for nothing.
+DORMANT_RECHECK_EVERY = 8
 
 
 @dataclass
@@ -127,7 +136,8 @@ class DSparkController:
         self.steps = 0
         self.last = StepRecord()
         self.totals = {"steps": 0, "budget_tokens": 0, "length_hist": [0] * (block_len + 1),
-                       "skipped_steps": 0, "verified_blocks": 0, "accepted_tokens": 0}
+                       "skipped_steps": 0, "verified_blocks": 0, "accepted_tokens": 0,
+                       "contextless_requests": 0}
         # Recent blocks for the skip rule: mean calibrated survival per position
         # (the mean of the products, not the product of the means: confidences
         # along a block are correlated, and the latter undercounts the gain).
@@ -135,6 +145,14 @@ class DSparkController:
         self._step_errors: deque[float] = deque(maxlen=ERROR_WINDOW)  # whole-step prediction error
         self._skips_in_row = 0
         self._since_skip = 0
+        # Whether the drafter ran, for the last knobs.dormant_after_steps
+        # steps, and how many of them skipped it.
+        self._recent_skips: deque[bool] = deque(maxlen=max(1, knobs.dormant_after_steps))
+        self._recent_skipped = 0
+        # Drafting was skipped on nearly all recent steps and does not pay now:
+        # requests admitted meanwhile get no drafter context (the runner).
+        self.dormant = False
+        self._dormant_skips = 0  # cheap skips since the rule last ran
         self._choices = 0
         self._rng = torch.Generator().manual_seed(0)
         self._step_verifies = False
@@ -265,7 +283,16 @@ class DSparkController:
         """Verify lengths [B] for this step's blocks (raw confidence logits [B, K])."""
         conf = self.calibrated(conf_logits, greedy)
         raw = conf_logits.detach().float().cpu()
-        slots = self._window.add(raw, greedy, self.steps)
+        # A block that may verify nothing never gets an outcome, and one
+        # drafted without context says nothing of the others: neither joins
+        # the skip rule's window.
+        kept = [i for i, c in enumerate(caps) if c > 0]
+        slots: list[int | None] = [None] * len(caps)
+        if kept:
+            picked = self._window.add(raw if len(kept) == len(caps) else raw[kept],
+                                      [greedy[i] for i in kept], self.steps)
+            for i, slot in zip(kept, picked):
+                slots[i] = slot
         cap = torch.tensor(caps, dtype=torch.int32, device=conf.device).clamp(0, conf.shape[1])
         policy = self.knobs.policy
         if policy == "full":
@@ -364,19 +391,33 @@ class DSparkController:
         for n in lengths:
             self.totals["length_hist"][n] += 1
 
-    def should_skip_drafting(self, num_reqs: int, caps: Callable[[], list[int]] | None = None) -> bool:
+    def should_skip_drafting(self, num_reqs: int, caps: Callable[[], list[int]] | None = None,
+                             draftable: Callable[[], int] | None = None) -> bool:
         """Skip the drafter this step? Only under policy=adaptive, when the
         tokens speculation is expected to gain (best lengths for recent
         confidences, within each request's cap, read from ``caps()``, default
         K) are worth less engine time than drafting and verifying them costs.
         In a steady decode that is the goodput rule (speculation's tokens per
         second against a plain step's). The drafter then only takes in its
-        context (queued). Decided from past steps only: non-anticipating."""
+        context (queued). Always skipped when none of the requests has drafter
+        context: ``draftable()`` says how many have (default all), called once
+        ``dormant`` is set for this step (the runner admits this step's new
+        requests by it). Decided from past steps and this step's load only:
+        non-anticipating."""
         if self.knobs.policy != "adaptive" or num_reqs == 0:
             return False
+        contexts = None
+        if self.dormant and draftable is not None and self._dormant_skips < DORMANT_RECHECK_EVERY - 1:
+            contexts = draftable()  # admitted by the last verdict
+            if contexts == 0:
+                self._dormant_skips += 1
+                return self._skip()
+        self._dormant_skips = 0
         estimate = self._window.estimate(self.calibrated)
         if estimate is None:
-            return False
+            if contexts is None and draftable is not None:
+                contexts = draftable()
+            return self._skip() if contexts == 0 else self._drafts()
         mean_surv, ratio = estimate
         base, plain, draft, per_token = self._step_costs(num_reqs)
         max_step, max_tokens = self._caps(num_reqs)
@@ -389,6 +430,14 @@ class DSparkController:
             return gain * value - (base - plain + draft + per_token * n)
 
         net = saved(None)
+        # Dormant: drafting was skipped on nearly all recent steps and would
+        # not pay now even with every request drafted (so load that drops
+        # ends it, though the requests left have no context).
+        recent = self._recent_skips
+        self.dormant = (bool(self.knobs.dormant_after_steps) and len(recent) == recent.maxlen
+                        and self._recent_skipped >= DORMANT_SKIP_SHARE * recent.maxlen and net <= 0)
+        if contexts is None:
+            contexts = num_reqs if draftable is None else draftable()
         if net > 0 and caps is not None:
             # Caps only take candidates away, so they are read (a pass over
             # every request) only when drafting pays without them.
@@ -411,14 +460,33 @@ class DSparkController:
         # probe gap (prompts may arrive on every step).
         due = self._skips_in_row + 1
         probe = due >= 2 * probe_every or (due >= probe_every and not self._takes_prompts())
-        if (pays and not explore) or probe:
+        if ((pays and not explore) or probe) and contexts:
             self._skips_in_row = 0
-            return False
+            return self._drafts()
         self._skips_in_row = 0 if explore else self._skips_in_row + 1
         self._since_skip = 0
+        return self._skip()
+
+    def _skip(self) -> bool:
+        self._remember(True)
         self.totals["skipped_steps"] += 1
         self.last.budget = 0
         return True
+
+    def _drafts(self) -> bool:
+        self._remember(False)
+        return False
+
+    def _remember(self, skipped: bool) -> None:
+        recent = self._recent_skips
+        if len(recent) == recent.maxlen:
+            self._recent_skipped -= recent[0]
+        recent.append(skipped)
+        self._recent_skipped += skipped
+
+    def admitted_without_context(self, n: int) -> None:
+        """``n`` requests were admitted while dormant (metrics)."""
+        self.totals["contextless_requests"] += n
 
     def _trace_blocks(self, pending, req_ids, num_verified, accepted) -> None:
         rows_of, raw, greedy, cal, _ = pending
@@ -471,6 +539,8 @@ class DSparkController:
             "last_budget": self.last.budget,
             "length_hist": list(self.totals["length_hist"]),
             "skipped_steps": self.totals["skipped_steps"],
+            "contextless_requests": self.totals["contextless_requests"],
+            "dormant": self.dormant,
             "acceptance_ratio": self.acceptance_ratio(),
             "verified_blocks": self.totals["verified_blocks"],
             "accepted_tokens": self.totals["accepted_tokens"],

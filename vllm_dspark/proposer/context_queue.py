@@ -29,8 +29,8 @@ class ContextQueue:
     context KV cache; the queue calls it when full, and ``flush`` on demand."""
 
     def __init__(self, write):
-        # Request ids whose context is still wanted (the runner sets its
-        # requests dict); None keeps every queued token.
+        # Request ids whose context is still wanted (the runner sets a view of
+        # its requests: live ones with context); None keeps every queued token.
         self.live_requests = None
         self._write = write
         self._features: torch.Tensor | None = None  # [capacity, sum of aux widths]
