@@ -206,8 +206,29 @@ def test_requests_admitted_while_dormant_get_no_context():
     assert runner._admit(step(["a"]), ["a"]) == 1  # not dormant: admitted with context
     runner.dspark.dormant = True
     assert runner._admit(step(["b"]), ["a", "b"]) == 1 and runner._contextless == {"b"}
+    # "a" is gone and "b" has no context: of the new ones, the first keeps it
+    # (a probe needs one request with context).
+    runner.requests.update(c=state, d=state)
+    assert runner._admit(step(["c", "d"], finished=["a"]), ["b", "c", "d"]) == 1
+    assert runner._contextless == {"b", "d"}
     assert runner._request_caps(["a", "b"], None) == [4, 0]
     assert "a" in wanted and "b" not in wanted and "gone" not in wanted
-    assert runner.dspark.snapshot()["contextless_requests"] == 1
+    assert runner.dspark.snapshot()["contextless_requests"] == 2
     runner.dspark.dormant = False
-    assert runner._admit(step([], finished=["b"]), ["a"]) == 1 and not runner._contextless
+    assert runner._admit(step([], finished=["b", "d"]), ["c"]) == 1 and not runner._contextless
+
+
+def test_skipped_step_queues_only_requests_with_context():
+    import torch
+
+    from vllm_dspark.runner import _only_requests
+
+    aux = [torch.arange(5.0)[:, None] * (i + 1) for i in range(2)]
+    step = (aux, torch.arange(5), 10 + torch.arange(5), ["a", "b", "c"], [2, 1, 2])  # request-major tokens
+    feats, pos, slots, ids, counts = _only_requests(step, [True, False, True])
+    assert pos.tolist() == [0, 1, 3, 4] and slots.tolist() == [10, 11, 13, 14]
+    assert [f[:, 0].tolist() for f in feats] == [[0, 1, 3, 4], [0, 2, 6, 8]]
+    assert ids == ["a", "c"] and counts == [2, 2]
+    feats, pos, slots, ids, counts = _only_requests(step, [False, False, True])  # one request: slices
+    assert pos.tolist() == [3, 4] and slots.tolist() == [13, 14] and feats[1][:, 0].tolist() == [6, 8]
+    assert ids == ["c"] and counts == [2]

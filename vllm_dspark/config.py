@@ -60,9 +60,10 @@ class DSparkKnobs(BaseModel):
         default=64, ge=0,
         description="policy=adaptive: once drafting has been skipped on at least 90% of the last "
         "this many steps and still does not pay, requests admitted from then on are served without "
-        "speculation: the drafter's context is not kept for them, which makes a skipping "
-        "engine as cheap as one without speculation. Requests admitted after drafting pays "
-        "again are drafted as usual. 0: always keep every request's context.",
+        "speculation (but one while no other running request has context, for probes): the "
+        "drafter's context is not kept for them, which makes a skipping engine about as cheap "
+        "as one without speculation. Requests admitted after drafting pays again are drafted "
+        "as usual. 0: always keep every request's context.",
     )
     log_every: int = Field(
         default=0, ge=0,

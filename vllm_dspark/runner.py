@@ -133,13 +133,15 @@ class DSparkRunnerMixin:
             # Speculation does not pay at this load: no block, no drafts; the
             # drafter still takes in this step's tokens as context (queued),
             # unless no request here keeps context.
-            if draftable() == 0:
-                return [[] for _ in req_ids], 0, 0.0
-            n = scheduler_output.total_num_scheduled_tokens
-            scheduled = scheduler_output.num_scheduled_tokens
-            self.drafter.defer_context(aux_hidden_states, self._get_positions(n),
-                                       common_attn_metadata.slot_mapping, req_ids,
-                                       [scheduled[rid] for rid in req_ids])
+            with_context = draftable()
+            if with_context:
+                n = scheduler_output.total_num_scheduled_tokens
+                scheduled = scheduler_output.num_scheduled_tokens
+                step = (aux_hidden_states, self._get_positions(n), common_attn_metadata.slot_mapping[:n],
+                        req_ids, [scheduled[rid] for rid in req_ids])
+                if with_context < len(req_ids):
+                    step = _only_requests(step, [rid not in self._contextless for rid in req_ids])
+                self.drafter.defer_context(*step)
             return [[] for _ in req_ids], 0, 0.0
         # The context queued by skipped steps is written first and timed apart:
         # it is the skipped steps' work, and counted as drafting it made a
@@ -159,13 +161,18 @@ class DSparkRunnerMixin:
 
     def _admit(self, scheduler_output, req_ids: list[str]) -> int:
         """Track the requests without drafter context: this step's new ones
-        if the controller is dormant, less those that finished. Returns how
-        many of ``req_ids`` have context."""
+        if the controller is dormant, less those that finished, and except
+        one while no other request here has context (probes need one: they
+        are what tells when drafting pays again). Returns how many of
+        ``req_ids`` have context."""
         contextless = self._contextless
         if contextless and scheduler_output.finished_req_ids:
             contextless.difference_update(scheduler_output.finished_req_ids)
         if self.dspark.dormant and scheduler_output.scheduled_new_reqs:
             new = [r.req_id for r in scheduler_output.scheduled_new_reqs]
+            fresh = set(new)
+            if not any(rid not in contextless and rid not in fresh for rid in req_ids):
+                new = new[1:]
             contextless.update(new)
             self.dspark.admitted_without_context(len(new))
         return len(req_ids) - sum(rid in contextless for rid in req_ids) if contextless else len(req_ids)
@@ -184,6 +191,21 @@ class DSparkRunnerMixin:
              for p, st, k in zip(params, states, produced)])
         contextless = self._contextless
         return [0 if rid in contextless else c for rid, c in zip(req_ids, caps)] if contextless else caps
+
+
+def _only_requests(step: tuple, keep: list[bool]) -> tuple:
+    """A skipped step's (aux states, positions, slots, req ids, tokens per
+    request) cut to the requests marked in ``keep`` (tokens are request-major)."""
+    aux, positions, slots, req_ids, counts = step
+    if sum(keep) == 1:  # the usual case while dormant (one request keeps context): views
+        i = keep.index(True)
+        start = sum(counts[:i])
+        rows = slice(start, start + counts[i])
+    else:
+        rows = torch.repeat_interleave(torch.tensor(keep), torch.tensor(counts)).nonzero().squeeze(1)
+        rows = rows.to(positions.device)
+    return ([h[rows] for h in aux], positions[rows], slots[rows],
+            [r for r, k in zip(req_ids, keep) if k], [c for c, k in zip(counts, keep) if k])
 
 
 class _WantedContext:

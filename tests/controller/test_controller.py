@@ -94,7 +94,8 @@ def test_probe_pace_follows_what_a_probe_costs():
         return gaps
 
     for draft_s, expect_long in ((0.01, True), (1e-5, False)):
-        ctl = _ctl(slo_tokens_per_s=1e6)  # no step can meet it: never pays
+        # No step can meet the SLO: never pays. Not dormant: probes at their exact pace.
+        ctl = _ctl(slo_tokens_per_s=1e6, dormant_after_steps=0)
         ctl.choose(["a"], torch.zeros(1, 4), [4], [True])
         assert set(probe_gaps(ctl, 80)) == {cc.PROBE_EVERY - 1}
         # Only the drafting model: with no length worth verifying, probes
@@ -300,9 +301,9 @@ def test_probes_wait_out_prompt_steps(monkeypatch):
 def test_dormant_after_a_long_skip_until_drafting_pays(monkeypatch):
     """Once 90% of the last dormant_after_steps steps skipped drafting, and
     drafting still does not pay, the controller is dormant (the runner then
-    admits requests without drafter context); a lone drafting step does not
-    end it. A step where none of the requests has context
-    always skips, even where drafting pays, and that step ends dormancy."""
+    admits requests without drafter context). While dormant, the full rule
+    runs every DORMANT_RECHECK_EVERY steps; the first where drafting would pay
+    ends it, even if the request there has no context (that step skips)."""
     from vllm_dspark.controller import controller as cc
 
     monkeypatch.setattr(cc, "PROBE_LOSS_BUDGET", 1e-9)  # probes as seldom as allowed
@@ -311,27 +312,37 @@ def test_dormant_after_a_long_skip_until_drafting_pays(monkeypatch):
         _start(ctl, waiting=0, running=64)
         assert ctl.should_skip_drafting(1) and not ctl.dormant
     _start(ctl, waiting=0, running=64)
-    assert ctl.should_skip_drafting(1) and ctl.dormant
-    _start(ctl, waiting=0)  # one step alone, where drafting pays: it drafts
-    assert not ctl.should_skip_drafting(1)
-    _start(ctl, waiting=0, running=64)
     seen = []  # the runner admits this step's new requests by this step's verdict
     assert ctl.should_skip_drafting(1, draftable=lambda: seen.append(ctl.dormant) or 1)
-    assert seen == [True]  # 15 of the last 16 steps skipped
+    assert seen == [True]
     # Load gone: drafting pays, but the request left has no context (cap 0).
-    # Dormancy ends all the same (the rule runs every DORMANT_RECHECK_EVERY
-    # steps while no request has context), so later requests get context.
     dormant = []
     for _ in range(cc.DORMANT_RECHECK_EVERY):
         _start(ctl, waiting=0)
         assert ctl.should_skip_drafting(1, caps=lambda: [0], draftable=lambda: 0)
         dormant.append(ctl.dormant)
-    assert dormant == [True] * (cc.DORMANT_RECHECK_EVERY - 1) + [False]
-    assert not ctl.should_skip_drafting(1, draftable=lambda: 1)
+    assert dormant[-2:] == [True, False] and dormant.count(False) == 1
+    _start(ctl, waiting=0)
+    assert not ctl.should_skip_drafting(1, draftable=lambda: 1)  # the next request has context: it drafts
     never = _skip_rule_ctl(dormant_after_steps=0)
     for _ in range(100):
         _start(never, waiting=0, running=64)
         assert never.should_skip_drafting(1) and not never.dormant
+
+
+def test_dormant_engine_still_probes(monkeypatch):
+    """Dormant, with one request that has context, probes still come (at a
+    recheck): they are what can tell that drafting pays again."""
+    from vllm_dspark.controller import controller as cc
+
+    monkeypatch.setattr(cc, "PROBE_LOSS_BUDGET", 1e-9)
+    monkeypatch.setattr(cc, "MAX_PROBE_EVERY", 32)  # a probe every 32 steps: 31 of 32 skip
+    ctl = _skip_rule_ctl(dormant_after_steps=16)
+    skipped = []
+    for _ in range(200):
+        _start(ctl, waiting=0, running=64)
+        skipped.append(ctl.should_skip_drafting(1, draftable=lambda: 1))
+    assert ctl.dormant and not all(skipped[100:])
 
 
 def test_no_probe_without_a_request_that_has_context():

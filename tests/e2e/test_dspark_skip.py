@@ -1,7 +1,7 @@
 """When speculation cannot pay (here: an SLO no step can meet), the controller
 skips the drafter; the drafter still takes in each step's context, and greedy
 output stays exact. Once dormant, requests are admitted without drafter
-context and never drafted (no probe either), and output stays exact."""
+context (all but one, for probes), and output stays exact."""
 
 import pytest
 
@@ -33,6 +33,8 @@ def test_requests_admitted_while_dormant_are_never_drafted(llm, identity_prompts
     outs = llm.generate(identity_prompts[16:32], greedy_params(), use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in outs] == nospec_reference["token_ids"][16:32]
     after = llm.collective_rpc("dspark_snapshot")[0]
-    assert after["contextless_requests"] == 16
-    assert after["steps"] == before["steps"]  # not one drafting step, probes included
-    assert after["skipped_steps"] >= before["skipped_steps"] + 127  # 128 tokens: every decode step skipped
+    # All but one: a probe needs one request with context.
+    assert after["contextless_requests"] == 15
+    skipped = after["skipped_steps"] - before["skipped_steps"]
+    drafted = after["steps"] - before["steps"]
+    assert skipped >= 100 and drafted <= skipped / 8, (skipped, drafted)  # probes at most

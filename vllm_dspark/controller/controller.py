@@ -97,9 +97,9 @@ MIN_OBSERVATIONS = 20
 # step, one request alone, drafts, and must not keep the 63 after it from
 # being admitted dormant.
 DORMANT_SKIP_SHARE = 0.9
-# While dormant with no request that has context, the full rule (whether
-# drafting would pay again, which ends dormancy) runs only every this many
-# steps: it is about 1% of a decode step at c=16 on this CPU, for nothing.
+# While dormant, the full rule (whether drafting would pay again, which ends
+# dormancy, and whether a probe is due) runs only every this many steps: it
+# is about 1% of a decode step at c=16 on this CPU.
 DORMANT_RECHECK_EVERY = 8
 
 
@@ -406,18 +406,16 @@ class DSparkController:
         non-anticipating."""
         if self.knobs.policy != "adaptive" or num_reqs == 0:
             return False
-        contexts = None
-        if self.dormant and draftable is not None and self._dormant_skips < DORMANT_RECHECK_EVERY - 1:
-            contexts = draftable()  # admitted by the last verdict
-            if contexts == 0:
-                self._dormant_skips += 1
-                return self._skip()
+        if self.dormant and self._dormant_skips < DORMANT_RECHECK_EVERY - 1:
+            if draftable is not None:
+                draftable()  # this step's admissions, by the last verdict
+            self._dormant_skips += 1
+            self._skips_in_row += 1  # a probe falls due as it would have
+            return self._skip()
         self._dormant_skips = 0
         estimate = self._window.estimate(self.calibrated)
         if estimate is None:
-            if contexts is None and draftable is not None:
-                contexts = draftable()
-            return self._skip() if contexts == 0 else self._drafts()
+            return self._skip() if draftable is not None and draftable() == 0 else self._drafts()
         mean_surv, ratio = estimate
         base, plain, draft, per_token = self._step_costs(num_reqs)
         max_step, max_tokens = self._caps(num_reqs)
@@ -436,8 +434,7 @@ class DSparkController:
         recent = self._recent_skips
         self.dormant = (bool(self.knobs.dormant_after_steps) and len(recent) == recent.maxlen
                         and self._recent_skipped >= DORMANT_SKIP_SHARE * recent.maxlen and net <= 0)
-        if contexts is None:
-            contexts = num_reqs if draftable is None else draftable()
+        contexts = num_reqs if draftable is None else draftable()
         if net > 0 and caps is not None:
             # Caps only take candidates away, so they are read (a pass over
             # every request) only when drafting pays without them.
