@@ -325,9 +325,15 @@ def test_dormant_after_a_long_skip_until_drafting_pays(monkeypatch):
     _start(ctl, waiting=0)
     assert not ctl.should_skip_drafting(1, draftable=lambda: 1)  # the next request has context: it drafts
     never = _skip_rule_ctl(dormant_after_steps=0)
+    # A small batch's context is cheap to keep: no dormancy below DORMANT_MIN_REQS coming.
+    small = _skip_rule_ctl(dormant_after_steps=16, slo_tokens_per_s=1e6)  # never pays
     for _ in range(100):
         _start(never, waiting=0, running=64)
         assert never.should_skip_drafting(1) and not never.dormant
+        _start(small, waiting=cc.DORMANT_MIN_REQS - 2, running=1)
+        assert small.should_skip_drafting(1) and not small.dormant
+    _start(small, waiting=cc.DORMANT_MIN_REQS - 1, running=1)
+    assert small.should_skip_drafting(1) and small.dormant
 
 
 def test_dormant_engine_still_probes(monkeypatch):
