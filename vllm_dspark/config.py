@@ -59,7 +59,8 @@ class DSparkKnobs(BaseModel):
     dormant_after_steps: int = Field(
         default=64, ge=0,
         description="policy=adaptive: once drafting has been skipped on at least 90% of the last "
-        "this many steps and still does not pay, requests admitted from then on are served without "
+        "this many steps and still does not pay, with 8 or more requests about to run, requests "
+        "admitted from then on are served without "
         "speculation (but one while no other running request has context, for probes): the "
         "drafter's context is not kept for them, which makes a skipping engine about as cheap "
         "as one without speculation. Requests admitted after drafting pays again are drafted "

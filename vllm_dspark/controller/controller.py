@@ -93,14 +93,15 @@ MIN_TOKEN_SPREAD = 0.1
 # Until a step-cost model has this many observations it is not trusted.
 MIN_OBSERVATIONS = 20
 # Dormant (see should_skip_drafting) once at least this share of the last
-# knobs.dormant_after_steps steps skipped drafting: a benchmark wave's first
-# step, one request alone, drafts, and must not keep the 63 after it from
-# being admitted dormant.
+# knobs.dormant_after_steps steps skipped drafting: a lone drafting step (a
+# probe, a benchmark wave's first request alone for a step) must not keep
+# the requests after it from being admitted dormant.
 DORMANT_SKIP_SHARE = 0.9
 # ... and only with at least this many requests about to run: a small batch's
-# context costs little to keep, and there dormancy only slowed the rule down
-# (rechecks every 8 steps): a c=1 benchmark run skipped 24% of its steps
-# where full K=7 beat no speculation by 34%.
+# context costs little to keep, and there dormancy only slows the rule down
+# (rechecks every 8 steps; a c=1 benchmark run with it skipped 24% of its
+# steps, against 12% in an earlier run without it, where full K=7 beat no
+# speculation by 34%).
 DORMANT_MIN_REQS = 8
 # While dormant, the full rule (whether drafting would pay again, which ends
 # dormancy, and whether a probe is due) runs only every this many steps: it
@@ -409,7 +410,10 @@ class DSparkController:
         K) are worth less engine time than drafting and verifying them costs.
         In a steady decode that is the goodput rule (speculation's tokens per
         second against a plain step's). The drafter then only takes in its
-        context (queued). Always skipped when none of the requests has drafter
+        context (queued). While dormant (drafting skipped for a while and not
+        paying, DORMANT_MIN_REQS or more requests coming) this rule runs every
+        DORMANT_RECHECK_EVERY steps only, and the runner admits new requests
+        without drafter context. Always skipped when none of the requests has
         context: ``draftable()`` says how many have (default all), called once
         ``dormant`` is set for this step (the runner admits this step's new
         requests by it). Decided from past steps and this step's load only:
