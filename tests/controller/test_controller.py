@@ -302,8 +302,9 @@ def test_dormant_after_a_long_skip_until_drafting_pays(monkeypatch):
     """Once 90% of the last dormant_after_steps steps skipped drafting, and
     drafting still does not pay, the controller is dormant (the runner then
     admits requests without drafter context). While dormant, the full rule
-    runs every DORMANT_RECHECK_EVERY steps; the first where drafting would pay
-    ends it, even if the request there has no context (that step skips)."""
+    runs every DORMANT_RECHECK_EVERY steps; DORMANT_EXIT_CHECKS of them in a
+    row where drafting would pay end it, even if the request there has no
+    context (those steps skip)."""
     from vllm_dspark.controller import controller as cc
 
     monkeypatch.setattr(cc, "PROBE_LOSS_BUDGET", 1e-9)  # probes as seldom as allowed
@@ -315,13 +316,18 @@ def test_dormant_after_a_long_skip_until_drafting_pays(monkeypatch):
     seen = []  # the runner admits this step's new requests by this step's verdict
     assert ctl.should_skip_drafting(1, draftable=lambda: seen.append(ctl.dormant) or 1)
     assert seen == [True]
+    # A lone check where drafting pays (a wave boundary) does not end it.
+    for running in (1,) * cc.DORMANT_RECHECK_EVERY + (64,) * cc.DORMANT_RECHECK_EVERY:
+        _start(ctl, waiting=0, running=running)
+        assert ctl.should_skip_drafting(1, draftable=lambda: 0) and ctl.dormant
     # Load gone: drafting pays, but the request left has no context (cap 0).
+    # Two checks in a row end dormancy.
     dormant = []
-    for _ in range(cc.DORMANT_RECHECK_EVERY):
+    for _ in range(2 * cc.DORMANT_RECHECK_EVERY):
         _start(ctl, waiting=0)
         assert ctl.should_skip_drafting(1, caps=lambda: [0], draftable=lambda: 0)
         dormant.append(ctl.dormant)
-    assert dormant[-2:] == [True, False] and dormant.count(False) == 1
+    assert not dormant[-1] and dormant.index(False) >= cc.DORMANT_RECHECK_EVERY
     _start(ctl, waiting=0)
     assert not ctl.should_skip_drafting(1, draftable=lambda: 1)  # the next request has context: it drafts
     never = _skip_rule_ctl(dormant_after_steps=0)

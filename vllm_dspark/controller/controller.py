@@ -107,6 +107,12 @@ DORMANT_MIN_REQS = 8
 # dormancy, and whether a probe is due) runs only every this many steps: it
 # is about 1% of a decode step at c=16 on this CPU.
 DORMANT_RECHECK_EVERY = 8
+# Dormancy ends once drafting would pay on this many checks in a row: when a
+# benchmark wave ends, the next one's first request runs alone for a step or
+# two, where drafting pays; ended there, the wave's first requests were
+# admitted with context and drafted until the skip share built up again
+# (at c=16, 92 of 352 requests, 133 drafting steps; adaptive 0.86x no-spec).
+DORMANT_EXIT_CHECKS = 2
 
 
 @dataclass
@@ -159,6 +165,7 @@ class DSparkController:
         # requests admitted meanwhile get no drafter context (the runner).
         self.dormant = False
         self._dormant_skips = 0  # cheap skips since the rule last ran
+        self._paying_checks = 0  # dormant checks in a row where drafting would pay
         self._choices = 0
         self._rng = torch.Generator().manual_seed(0)
         self._step_verifies = False
@@ -443,12 +450,18 @@ class DSparkController:
 
         net = saved(None)
         # Dormant: drafting was skipped on nearly all recent steps and would
-        # not pay now even with every request drafted (so load that drops
+        # not pay now even with every request drafted. It ends once drafting
+        # would pay on DORMANT_EXIT_CHECKS checks in a row (load that drops
         # ends it, though the requests left have no context).
-        recent = self._recent_skips
-        self.dormant = (bool(self.knobs.dormant_after_steps) and len(recent) == recent.maxlen
-                        and self._recent_skipped >= DORMANT_SKIP_SHARE * recent.maxlen and net <= 0
-                        and self._coming(num_reqs) >= DORMANT_MIN_REQS)
+        if self.dormant:
+            self._paying_checks = self._paying_checks + 1 if net > 0 else 0
+            self.dormant = self._paying_checks < DORMANT_EXIT_CHECKS
+        else:
+            recent = self._recent_skips
+            self.dormant = (bool(self.knobs.dormant_after_steps) and len(recent) == recent.maxlen
+                            and self._recent_skipped >= DORMANT_SKIP_SHARE * recent.maxlen and net <= 0
+                            and self._coming(num_reqs) >= DORMANT_MIN_REQS)
+            self._paying_checks = 0
         contexts = num_reqs if draftable is None else draftable()
         if net > 0 and caps is not None:
             # Caps only take candidates away, so they are read (a pass over
