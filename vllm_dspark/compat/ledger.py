@@ -256,7 +256,8 @@ LEDGER: tuple[Hook, ...] = (
         "The step's schedule as the worker sees it: new requests (marked contextless "
         "while the controller is dormant), finished ones, and tokens per request.",
         "-", "-", ("scheduled_new_reqs", "scheduled_cached_reqs", "num_scheduled_tokens",
-                   "total_num_scheduled_tokens", "scheduled_spec_decode_tokens"),
+                   "total_num_scheduled_tokens", "scheduled_spec_decode_tokens",
+                   "scheduled_encoder_inputs", "finished_req_ids"),
     ),
     Hook(
         "vllm.v1.sample.rejection_sampler.RejectionSampler", "subclass",
