@@ -201,7 +201,7 @@ def main(argv=None) -> dict:
             if r["concurrency"] in base:
                 r["speedup_vs_nospec"] = r["tokens_per_s"] / base[r["concurrency"]]
     record["adaptive_twin_us_per_step_at_64"] = twin_cost_us()
-    if "dspark-adaptive" in record["arms"]:
+    if "dspark-adaptive" in record["arms"] and len(record["arms"]) > 1:  # targets compare arms
         record["targets"] = check_targets(record["arms"])
         for line in record["targets"]["lines"]:
             print(f"[bench] {line}")

@@ -66,6 +66,12 @@ class DSparkKnobs(BaseModel):
         "as one without speculation. Requests admitted after drafting pays again are drafted "
         "as usual. 0: always keep every request's context.",
     )
+    adaptive_depth: bool = Field(
+        default=True,
+        description="policy=adaptive: let the controller stop the Markov head's walk short of K "
+        "positions on steps where the later positions would not pay for their walk and "
+        "verification (priced by an online model of one position's walk). false: always walk K.",
+    )
     log_every: int = Field(
         default=0, ge=0,
         description="Log a controller summary every N steps (0: quiet).",

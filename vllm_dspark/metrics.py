@@ -91,14 +91,17 @@ class DSparkCollector:
                                 "Draft tokens chosen for verification in the last step.", value=snap["last_budget"])
         yield CounterMetricFamily(PREFIX + "verify_budget_tokens", "Draft tokens chosen for verification.",
                                   value=snap["budget_tokens_total"])
-        hist = snap["length_hist"]
-        cum, buckets = 0, []
-        for n, count in enumerate(hist):
-            cum += count
-            buckets.append((str(float(n)), cum))
-        buckets.append(("+Inf", cum))
-        yield HistogramMetricFamily(PREFIX + "verify_length", "Per-request verify length per step.",
-                                    buckets=buckets, sum_value=sum(n * c for n, c in enumerate(hist)))
+        for key, name, doc in (("length_hist", "verify_length", "Per-request verify length per step."),
+                               ("depth_hist", "draft_depth", "Positions the Markov head walked per drafting "
+                                "step (later positions are neither sampled nor verified).")):
+            hist = snap[key]
+            cum, buckets = 0, []
+            for n, count in enumerate(hist):
+                cum += count
+                buckets.append((str(float(n)), cum))
+            buckets.append(("+Inf", cum))
+            yield HistogramMetricFamily(PREFIX + name, doc, buckets=buckets,
+                                        sum_value=sum(n * c for n, c in enumerate(hist)))
         step = GaugeMetricFamily(PREFIX + "step_time_seconds", "Step time, predicted by the cost model "
                                  "before the step and measured after it.", labels=["kind"])
         for kind in ("predicted", "measured"):
@@ -149,15 +152,19 @@ def install_collector(instance_id: str) -> None:
 
 
 def summary_line(snap: dict) -> str:
-    hist = snap["length_hist"]
-    reqs = sum(hist)
-    mean_len = sum(n * c for n, c in enumerate(hist)) / reqs if reqs else 0.0
+    mean_len, mean_depth = (_mean(snap[key]) for key in ("length_hist", "depth_hist"))
     pred, meas = snap.get("predicted_step_s"), snap.get("measured_step_s")
     mape = snap.get("cost_model_mape")
     cal = snap.get("calibration") or {}
     ece = {m: [round(x, 3) for x in st["ece_calibrated"] if x is not None] for m, st in cal.items()}
     load = snap.get("load") or {}
-    return (f"dspark: {snap['steps']} steps, mean verify length {mean_len:.2f}, last budget "
+    return (f"dspark: {snap['steps']} steps, mean verify length {mean_len:.2f}, mean depth {mean_depth:.2f}, last budget "
             f"{snap['last_budget']} tokens; step {1e3 * (pred or 0):.1f} ms predicted / "
             f"{1e3 * (meas or 0):.1f} ms measured (error {mape or 0:.1f}%); calibrated ECE {ece}; "
             f"load running={load.get('running')} waiting={load.get('waiting')} kv={load.get('kv_usage')}")
+
+
+def _mean(hist: list[int]) -> float:
+    """Mean of a histogram indexed by value."""
+    total = sum(hist)
+    return sum(n * c for n, c in enumerate(hist)) / total if total else 0.0

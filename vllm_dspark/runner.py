@@ -53,8 +53,8 @@ class DSparkRunnerMixin:
                                        cache_dir=_cache_dir(), trace_dir=envs.VLLM_DSPARK_TRACE_DIR)
         rank = vllm_config.parallel_config.rank
         # This step's drafting: (seconds, requests drafted, seconds of them
-        # spent writing skipped steps' queued context).
-        self._dspark_draft = (0.0, 0, 0.0)
+        # spent writing skipped steps' queued context, and walking the Markov head).
+        self._dspark_draft = (0.0, 0, 0.0, 0.0)
         self._dspark_snapshots = SnapshotWriter(
             snapshot_dir(vllm_config.instance_id) if rank == 0 else None, rank, self.dspark.snapshot)
 
@@ -89,7 +89,7 @@ class DSparkRunnerMixin:
         return super().execute_model(scheduler_output, *args, **kwargs)
 
     def sample_tokens(self, *args, **kwargs):
-        self._dspark_draft = (0.0, 0, 0.0)
+        self._dspark_draft = (0.0, 0, 0.0, 0.0)
         out = super().sample_tokens(*args, **kwargs)
         if isinstance(out, ModelRunnerOutput):
             # The drafts travel with the output (DSparkScheduler applies them),
@@ -112,8 +112,9 @@ class DSparkRunnerMixin:
         # The whole drafting path (vLLM's input preparation included) is timed:
         # it is what skipping the drafter saves.
         t0 = time.perf_counter()
+        self.drafter.last_walk_seconds = 0.0
         drafts, drafted, flushed = self._dspark_propose(*args, **kwargs)
-        self._dspark_draft = (time.perf_counter() - t0, drafted, flushed)
+        self._dspark_draft = (time.perf_counter() - t0, drafted, flushed, self.drafter.last_walk_seconds)
         return drafts
 
     def _dspark_propose(self, scheduler_output, sampled_token_ids, sampling_metadata,
@@ -147,6 +148,7 @@ class DSparkRunnerMixin:
         # it is the skipped steps' work, and counted as drafting it made a
         # probe after a long skip look up to twice as dear as drafting is.
         flushed = self.drafter.flush_context()
+        self.drafter.depth = self.dspark.depth
         drafts = super().propose_draft_token_ids(
             scheduler_output, sampled_token_ids, sampling_metadata, hidden_states, sample_hidden_states,
             aux_hidden_states, spec_decode_metadata, common_attn_metadata, slot_mappings)

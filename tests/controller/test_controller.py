@@ -373,3 +373,79 @@ def test_blocks_that_verify_nothing_stay_out_of_the_skip_rule_window():
     surv, _ = ctl._window.estimate(ctl.calibrated)
     assert surv == pytest.approx(alone._window.estimate(alone.calibrated)[0])
     assert surv[0] > 0.9
+
+
+def _depth_ctl(walk_s: float):
+    """An adaptive controller at R=1 whose window says positions 1-2 pass
+    nearly always (0.98 each) and 3-4 half the time (half of each block is
+    accepted: survivals scaled to about 0.73, 0.72, 0.36, 0.18), on known
+    costs: a 5.2 ms step, 0.1 ms per verified token, 1 ms of drafting plus
+    ``walk_s`` per walked position."""
+    from vllm_dspark.controller import controller as cc
+    from vllm_dspark.controller.cost_model import CostParams
+
+    ctl = _ctl(calibration=False)
+    linear = CostParams(5e-3, 1e-4, 1e-4)
+    ctl.cost.pin(linear, "test")
+    ctl.plain_cost.pin(linear, "test")
+    for _ in range(cc.MIN_OBSERVATIONS):
+        ctl.draft_cost.observe(1, 4, 1e-3)
+        ctl.walk_cost.observe(1, 0, walk_s)
+    logits = torch.tensor([[4.0, 4.0, 0.0, 0.0]])
+    for _ in range(50):
+        ctl.choose(["a"], logits, [4], [True])
+        ctl.verified(["a"], [4], [2])
+    _start(ctl, waiting=0)
+    return ctl, logits
+
+
+@pytest.mark.parametrize(("walk_s", "depth"), [(3e-3, 2), (1e-6, 4)])
+def test_walk_depth_is_where_another_position_stops_paying(walk_s, depth):
+    """A position is walked when what it adds is worth its walk and its
+    verification: at 3 ms a position, position 3 (0.36 tokens, worth 1.9 ms)
+    is not; when walking costs nothing, 3 and 4 are. Lengths then stop at
+    the depth."""
+    ctl, logits = _depth_ctl(walk_s)
+    assert not ctl.should_skip_drafting(1)
+    assert ctl.depth == depth
+    before = list(ctl.totals["depth_hist"])
+    lengths = ctl.choose(["a"], logits, [4], [True])
+    assert 0 < lengths[0] <= depth
+    assert ctl.totals["depth_hist"][depth] == before[depth] + 1
+
+
+def test_walk_is_priced_only_once_measured_or_pinned():
+    """Until the walk model has its observations (or a curve pins it), the
+    drafting model stands for all of drafting and the walk is K deep; once
+    known, drafting is its model plus depth times the walk's."""
+    from vllm_dspark.controller import controller as cc
+    from vllm_dspark.controller.cost_curve import CostCurve
+    from vllm_dspark.controller.cost_model import CostParams
+
+    ctl = _ctl()
+    for _ in range(cc.MIN_OBSERVATIONS):
+        ctl.draft_cost.observe(2, 8, 2e-3)
+    assert ctl._draft_seconds(2, 1) == ctl._draft_seconds(2, 4) == pytest.approx(2e-3, rel=0.05)
+    for _ in range(cc.MIN_OBSERVATIONS):
+        ctl.walk_cost.observe(2, 0, 3e-4)
+    assert ctl._draft_seconds(2, 3) == pytest.approx(2e-3 + 3 * 3e-4, rel=0.05)
+    # A pinned curve: its "draft" holds the whole walk unless it gives "walk".
+    linear = CostParams(5e-3, 0.0, 1e-4)
+    ctl.pin_costs(CostCurve("c", spec=linear, plain=linear, draft=CostParams(1e-3, 0.0, 0.0)), "c")
+    assert ctl._draft_seconds(2, 1) == ctl._draft_seconds(2, 4) == pytest.approx(1e-3)
+    ctl.pin_costs(CostCurve("c", spec=linear, plain=linear, draft=CostParams(1e-3, 0.0, 0.0),
+                            walk=CostParams(2e-4, 1e-5, 0.0)), "c")
+    assert ctl._draft_seconds(2, 3) == pytest.approx(1e-3 + 3 * (2e-4 + 2e-5))
+
+
+def test_walk_time_trains_the_walk_model_and_leaves_the_drafting_model():
+    """A drafting step's walk (timed apart by the proposer) trains the walk
+    model per position; the drafting model learns the rest."""
+    from vllm_dspark.controller import controller as cc
+
+    ctl = _ctl()
+    ctl.depth = 2
+    for _ in range(cc.MIN_OBSERVATIONS):
+        ctl.record_step(4, 12, True, 0.010, 0.003, 4, walk_seconds=0.001, depth=2)
+    assert ctl.walk_cost.params.predict(4, 0) == pytest.approx(0.0005, rel=0.05)
+    assert ctl.draft_cost.params.predict(4, 16) == pytest.approx(0.002, rel=0.05)

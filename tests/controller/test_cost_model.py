@@ -83,6 +83,9 @@ def test_cost_curve_round_trip_and_defaults(tmp_path):
     curve = CostCurve("x", CostParams(0.01, 1e-4, 2e-4), CostParams(0.009, 1e-4, 1e-4), CostParams(0.001, 0.0, 3e-5))
     curve.save(tmp_path / "c.json")
     assert load_cost_curve(tmp_path / "c.json") == curve
+    walked = CostCurve("w", curve.spec, curve.plain, curve.draft, walk=CostParams(2e-4, 1e-6, 0.0))
+    walked.save(tmp_path / "w.json")
+    assert load_cost_curve(tmp_path / "w.json") == walked and curve.walk is None
     (tmp_path / "s.json").write_text('{"spec": {"t0": 0.01, "t_req": 0, "t_tok": 0.001}}')
     only_spec = load_cost_curve(tmp_path / "s.json")
     assert only_spec.plain == only_spec.spec and only_spec.draft == FREE

@@ -1,7 +1,8 @@
 """policy="adaptive" with a pinned cost curve (additional_config "cost_curve"):
 the choice no longer depends on how fast this machine is, so what it must do
 can be asserted. On this curve a verified token costs 3% of a step's fixed
-cost; with 16 requests running, only the first few positions pay."""
+cost and walking the Markov head 8% a position; with 16 requests running,
+only the first few positions pay, and the walk stops early."""
 
 import json
 
@@ -9,6 +10,7 @@ import pytest
 
 from tests.e2e.conftest import (
     assert_exact_with_shorter_blocks,
+    assert_second_token_follows_target,
     dspark_config,
     greedy_params,
     make_llm,
@@ -19,7 +21,8 @@ from tests.e2e.conftest import (
 pytestmark = pytest.mark.e2e
 
 CURVE = {"name": "test", "spec": {"t0": 0.010, "t_req": 0.0, "t_tok": 0.0003},
-         "draft": {"t0": 0.0005, "t_req": 0.0, "t_tok": 0.0}}
+         "draft": {"t0": 0.0005, "t_req": 0.0, "t_tok": 0.0},
+         "walk": {"t0": 0.0008, "t_req": 0.0, "t_tok": 0.0}}
 
 
 @pytest.fixture(scope="module")
@@ -33,6 +36,19 @@ def llm(nospec_reference, tmp_path_factory):
 
 def test_pinned_costs_cut_blocks_and_stay_exact(llm, identity_prompts, nospec_reference):
     assert_exact_with_shorter_blocks(llm, identity_prompts, nospec_reference)
+    depths = llm.collective_rpc("dspark_snapshot")[0]["depth_hist"]
+    assert sum(depths[1:7]) > 0, f"the walk should stop early on this curve: {depths}"
+
+
+@pytest.mark.parametrize(("temperature", "top_p"), [(1.0, None), (0.8, 0.9)])
+def test_sampled_output_follows_target_with_cut_walks(llm, heldout_prompts, temperature, top_p):
+    """The statistical test where drafts are verified (it fails unless some
+    are) from blocks walked shallower than K."""
+    before = llm.collective_rpc("dspark_snapshot")[0]["depth_hist"]
+    verified = assert_second_token_follows_target(llm, heldout_prompts[1]["text"], temperature, top_p)
+    after = llm.collective_rpc("dspark_snapshot")[0]["depth_hist"]
+    assert verified > 0
+    assert sum(after[1:7]) > sum(before[1:7]), (before, after)
 
 
 def test_per_request_max_verify(llm, identity_prompts, nospec_reference):
@@ -53,6 +69,7 @@ def test_per_request_max_verify(llm, identity_prompts, nospec_reference):
 def test_pinned_curve_is_used_not_learned(llm):
     snap = llm.collective_rpc("dspark_snapshot")[0]
     assert snap["cost_params"] == CURVE["spec"] and snap["draft_cost_params"] == CURVE["draft"]
+    assert snap["walk_cost_params"] == CURVE["walk"]
     assert snap["plain_cost_params"] == CURVE["spec"]  # "plain" defaults to "spec"
     assert snap["cost_model_mape"] is not None  # the error against measured steps is still reported
 

@@ -8,10 +8,9 @@ spec-decode counters.
 """
 
 import pytest
-import torch
 
-from tests.conftest import TARGET_DIR
 from tests.e2e.conftest import (
+    assert_second_token_follows_target,
     dspark_config,
     greedy_params,
     make_llm,
@@ -87,53 +86,12 @@ def test_controller_learned_something(llm):
     assert any(e is not None for e in greedy["ece_raw"])
 
 
-def _exact_second_token_marginal(prompt_ids: list[int], temperature: float, top_p: float | None) -> torch.Tensor:
-    """P(x1 | prompt) = sum_x0 P(x0 | prompt) P(x1 | prompt, x0) under the
-    processed (temperature, top-p) distributions, from transformers in fp32."""
-    from transformers import Qwen3ForCausalLM
-
-    def process(logits):
-        p = torch.softmax(logits / temperature, -1)
-        if top_p is not None:
-            sorted_p, order = p.sort(dim=-1, descending=True)
-            drop = (sorted_p.cumsum(-1) - sorted_p) >= top_p
-            p = p.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
-            p = p / p.sum(-1, keepdim=True)
-        return p
-
-    model = Qwen3ForCausalLM.from_pretrained(str(TARGET_DIR), dtype=torch.float32).eval()
-    with torch.no_grad():
-        p0 = process(model(torch.tensor([prompt_ids])).logits[0, -1])
-        support = torch.nonzero(p0 > 1e-7).squeeze(1)
-        batch = torch.cat([torch.tensor(prompt_ids).expand(len(support), -1), support[:, None]], 1)
-        p1 = process(model(batch).logits[:, -1])
-    return (p0[support, None] * p1).sum(0)
-
-
 @pytest.mark.parametrize(("temperature", "top_p"), [(1.0, None), (0.8, 0.9)])
 def test_sampled_output_follows_target(llm, heldout_prompts, temperature, top_p):
-    """The second generated token (the first one speculative decoding
-    produces) over 2000 requests against its exact marginal. Engine seed 0;
-    chi-square over tokens with expected count >= 5 (the rest pooled);
-    fails when p < 1e-3, so a lossless engine fails with probability 0.001."""
-    from vllm import SamplingParams
-
-    prompt = heldout_prompts[1]["text"]
-    draws = 2000
-    params = SamplingParams(temperature=temperature, top_p=top_p or 1.0, max_tokens=2, ignore_eos=True)
-    outs = llm.generate([prompt] * draws, params, use_tqdm=False)
-    prompt_ids = list(outs[0].prompt_token_ids)
-    second = torch.tensor([o.outputs[0].token_ids[1] for o in outs])
-    expected = _exact_second_token_marginal(prompt_ids, temperature, top_p)
-    counts = torch.bincount(second, minlength=expected.numel()).double()
-    exp = draws * expected.double()
-    big = exp >= 5
-    obs = torch.cat([counts[big], counts[~big].sum()[None]])
-    expd = torch.cat([exp[big], exp[~big].sum()[None]])
-    stat = ((obs - expd) ** 2 / expd).sum()
-    pvalue = float(torch.special.gammaincc(torch.tensor((len(obs) - 1) / 2.0), stat / 2))
-    assert int(big.sum()) >= 5, "the test needs a spread-out marginal to have power"
-    assert pvalue > 1e-3, (pvalue, stat, len(obs))
+    """The sampled distribution under the default controller (whether it
+    verifies here depends on this machine's costs; test_dspark_cost_curve.py
+    runs the same check where drafts are verified)."""
+    assert_second_token_follows_target(llm, heldout_prompts[1]["text"], temperature, top_p)
 
 
 def test_mixed_batch_with_stops_and_aborts(llm, identity_prompts, nospec_reference):

@@ -23,7 +23,10 @@ Policies (additional_config["dspark"]["policy"]):
     verifying take, a token valued at a plain decode step's cost per token
     at the batch about to run), the drafter is skipped for the step (it
     still writes its context KV), with a probe step now and then to keep the
-    estimates fresh.
+    estimates fresh. When it drafts, the same rule picks how deep the Markov
+    head walks (d <= K positions, each a round of small ops whatever the
+    batch size; a fourth online model, T_walk(R), prices one), and lengths
+    stop at d.
 A request's own `dspark_max_verify` (SamplingParams.extra_args) caps it, and
 so do the tokens it has left before max_tokens.
 Every input to the choice is known before the drafted tokens are looked at,
@@ -44,7 +47,7 @@ from vllm_dspark import ops
 from vllm_dspark.config import MAX_VERIFY_KEY, DSparkKnobs
 from vllm_dspark.controller.calibration import PositionCalibrator
 from vllm_dspark.controller.cost_curve import CostCurve, load_cost_curve
-from vllm_dspark.controller.cost_model import ERROR_WINDOW, OnlineCostModel
+from vllm_dspark.controller.cost_model import ERROR_WINDOW, CostParams, OnlineCostModel
 from vllm_dspark.controller.signals import LoadSignals, load_of, prefill_tokens
 from vllm_dspark.controller.survival import SurvivalWindow
 from vllm_dspark.controller.trace import TraceWriter
@@ -138,7 +141,8 @@ class DSparkController:
 
         self.cost = model("spec")  # target steps that verify drafts
         self.plain_cost = model("plain")  # target steps that do not
-        self.draft_cost = model("draft")
+        self.draft_cost = model("draft")  # drafting less the Markov walk
+        self.walk_cost = model("walk")  # one position of the Markov walk, T_walk(R)
         if knobs.cost_curve:
             self.pin_costs(load_cost_curve(knobs.cost_curve), knobs.cost_curve)
         # Acceptance means different things at temperature 0 (argmax match) and
@@ -147,7 +151,11 @@ class DSparkController:
                             if knobs.calibration else None)
         self.steps = 0
         self.last = StepRecord()
+        # Positions the Markov head walks on the next drafting step: K, unless
+        # the skip rule finds fewer pay more (policy adaptive).
+        self.depth = block_len
         self.totals = {"steps": 0, "budget_tokens": 0, "length_hist": [0] * (block_len + 1),
+                       "depth_hist": [0] * (block_len + 1),
                        "skipped_steps": 0, "verified_blocks": 0, "accepted_tokens": 0,
                        "contextless_requests": 0}
         # Recent blocks for the skip rule: mean calibrated survival per position
@@ -192,21 +200,22 @@ class DSparkController:
     def pin_costs(self, curve: CostCurve, source: str) -> None:
         """Use ``curve``'s fixed costs instead of learning them online."""
         for model, params in ((self.cost, curve.spec), (self.plain_cost, curve.plain),
-                              (self.draft_cost, curve.draft)):
-            model.pin(params, source)
+                              (self.draft_cost, curve.draft), (self.walk_cost, curve.walk)):
+            if params is not None:
+                model.pin(params, source)
 
     # -- step boundaries ---------------------------------------------------
     def step_started(self, scheduler_output) -> None:
         now = time.perf_counter()
         if self._unrecorded is not None:
-            r, b, verifies, seconds, draft_seconds, drafted = self._unrecorded
+            r, b, verifies, seconds, draft_seconds, drafted, walk = self._unrecorded
             self._unrecorded = None
             gap = now - self._t_end_prev
             if gap < MAX_ENGINE_GAP_S:
                 self._gap_s[verifies] = GAP_EMA * self._gap_s[verifies] + (1 - GAP_EMA) * gap
             else:
                 gap = self._gap_s[verifies]
-            self.record_step(r, b, verifies, seconds + gap, draft_seconds, drafted)
+            self.record_step(r, b, verifies, seconds + gap, draft_seconds, drafted, *walk)
         self._t_start = now
         self._load = load = load_of(scheduler_output)
         self._step_reqs = len(scheduler_output.num_scheduled_tokens)
@@ -215,12 +224,14 @@ class DSparkController:
         self._step_prefill = prefill_tokens(scheduler_output) if load is None or load.waiting > 0 else 0
         self._step_verifies = bool(scheduler_output.scheduled_spec_decode_tokens)
 
-    def step_finished(self, draft_seconds: float, drafted_reqs: int, excluded_seconds: float = 0.0) -> None:
+    def step_finished(self, draft_seconds: float, drafted_reqs: int, excluded_seconds: float = 0.0,
+                      walk_seconds: float = 0.0) -> None:
         """End of a step; ``draft_seconds`` of it went to the drafting path,
         which drafted ``drafted_reqs`` blocks (0: the drafter was skipped and
-        only took in context, a cost counted with the plain step), and
+        only took in context, a cost counted with the plain step),
         ``excluded_seconds`` of that to work that belongs to no model (the
-        queued context of earlier skipped steps)."""
+        queued context of earlier skipped steps) and ``walk_seconds`` to the
+        Markov walk, ``self.depth`` positions deep."""
         if self._t_start is None:
             return
         now = time.perf_counter()
@@ -229,13 +240,16 @@ class DSparkController:
         if self._step_reqs == 0:
             return
         self._unrecorded = (self._step_reqs, self._step_tokens, self._step_verifies,
-                            now - t_start - excluded_seconds, draft_seconds - excluded_seconds, drafted_reqs)
+                            now - t_start - excluded_seconds, draft_seconds - excluded_seconds, drafted_reqs,
+                            (walk_seconds, self.depth) if drafted_reqs and walk_seconds > 0 else ())
 
     def record_step(self, r: int, b: int, verifies: bool, seconds: float, draft_seconds: float,
-                    drafted_reqs: int) -> None:
+                    drafted_reqs: int, walk_seconds: float = 0.0, depth: int = 0) -> None:
         """A step of ``r`` requests and ``b`` target tokens took ``seconds``
-        (``draft_seconds`` of it drafting ``drafted_reqs`` blocks): the cost
-        models learn from it. The simulator calls this with simulated times."""
+        (``draft_seconds`` of it drafting ``drafted_reqs`` blocks, and
+        ``walk_seconds`` of that walking ``depth`` positions; 0: not timed
+        apart): the cost models learn from it. The simulator calls this with
+        simulated times."""
         target = self.cost if verifies else self.plain_cost
         target_seconds = max(seconds - (draft_seconds if drafted_reqs else 0.0), 1e-6)
         predicted = target.params.predict(r, b)
@@ -246,8 +260,12 @@ class DSparkController:
             self._verify_overhead = (OVERHEAD_EMA * self._verify_overhead + (1 - OVERHEAD_EMA) * over
                                      if self._verify_overhead is not None else over)
         if drafted_reqs:
-            predicted += self.draft_cost.params.predict(drafted_reqs, drafted_reqs * self.k)
-            self.draft_cost.observe(drafted_reqs, drafted_reqs * self.k, draft_seconds)
+            walked = depth > 0 and walk_seconds > 0
+            predicted += self._draft_seconds(drafted_reqs, depth if walked else self.k)
+            self.draft_cost.observe(drafted_reqs, drafted_reqs * self.k,
+                                    draft_seconds - walk_seconds if walked else draft_seconds)
+            if walked:
+                self.walk_cost.observe(drafted_reqs, 0, walk_seconds / depth)
         target.observe(r, b, target_seconds)
         self.last.num_reqs, self.last.num_tokens = r, b
         self.last.predicted_s, self.last.measured_s = predicted, seconds
@@ -306,7 +324,9 @@ class DSparkController:
                                       [greedy[i] for i in kept], self.steps)
             for i, slot in zip(kept, picked):
                 slots[i] = slot
-        cap = torch.tensor(caps, dtype=torch.int32, device=conf.device).clamp(0, conf.shape[1])
+        # Past the walked depth there are no drafts to verify.
+        cap = torch.tensor(caps, dtype=torch.int32, device=conf.device).clamp(0, min(conf.shape[1], self.depth))
+        self.totals["depth_hist"][self.depth] += 1
         policy = self.knobs.policy
         if policy == "full":
             lengths = cap
@@ -337,11 +357,13 @@ class DSparkController:
         return torch.where(mask, self.calibrators["greedy"].calibrate(conf_logits),
                            self.calibrators["sampled"].calibrate(conf_logits))
 
-    def _step_costs(self, rows: int, prefill: int | None = None) -> tuple[float, float, float, float]:
+    def _step_costs(self, rows: int, prefill: int | None = None,
+                    depth: int | None = None) -> tuple[float, float, float, float]:
         """Predicted seconds for the next step with ``rows`` decoding requests
         beside ``prefill`` prompt tokens (default: the prompt work expected
-        with it): (verify step without its drafts, plain step, drafting, per
-        verified draft token)."""
+        with it): (verify step without its drafts, plain step, drafting
+        ``depth`` deep (default: this step's depth), per verified draft
+        token)."""
         tokens = rows + (self._next_prefill() if prefill is None else prefill)
         spec = self.cost.params
         spec_base = spec.predict(rows, tokens)
@@ -357,7 +379,19 @@ class DSparkController:
         # until verify steps have been seen (all skipped, or cut to nothing),
         # the plain model stands in for them.
         base = max(spec_base, plain) if _trusted(self.cost) else plain
-        return base, plain, self.draft_cost.params.predict(rows, rows * self.k), spec.t_tok
+        return base, plain, self._draft_seconds(rows, self.depth if depth is None else depth), spec.t_tok
+
+    def _draft_seconds(self, rows: int, depth: int) -> float:
+        """Predicted drafting time for ``rows`` blocks walked ``depth`` deep."""
+        par = self.draft_cost.params.predict(rows, rows * self.k)
+        return par + depth * self.walk_cost.params.predict(rows, 0) if self._walk_known() else par
+
+    def _walk_known(self) -> bool:
+        """Is the walk priced apart (and so its depth chosen)? Not when the
+        knob says no, nor while its model is young, nor with a pinned cost
+        curve without a "walk" (its drafting cost holds the walk)."""
+        return (self.knobs.adaptive_depth and _trusted(self.walk_cost)
+                and (self.walk_cost.pinned or not self.draft_cost.pinned))
 
     def _next_prefill(self) -> int:
         """Prompt tokens expected beside the next step's decodes: this step's,
@@ -436,19 +470,36 @@ class DSparkController:
         self._dormant_skips = 0
         estimate = self._window.estimate(self.calibrated)
         if estimate is None:
+            self.depth = self.k
             return self._skip() if draftable is not None and draftable() == 0 else self._drafts()
         mean_surv, ratio = estimate
-        base, plain, draft, per_token = self._step_costs(num_reqs)
+        base, plain, _, per_token = self._step_costs(num_reqs, depth=self.k)
         max_step, max_tokens = self._caps(num_reqs)
         surv = [min(1.0, s * ratio) for s in mean_surv]
         levels = [s / p if p > 0 else 0.0 for s, p in zip(surv, [1.0, *surv[:-1]])]
         value = self._token_value(num_reqs)
+        shallow = self._walk_known()
+        draft_k = self._draft_seconds(num_reqs, self.k)
+        walk = self.walk_cost.params.predict(num_reqs, 0) if shallow else 0.0
 
-        def saved(counts):  # seconds speculation saves this step (negative: what it loses)
-            n, gain = uniform_admission(levels, num_reqs, base + draft, per_token, max_step, max_tokens, counts)
-            return gain * value - (base - plain + draft + per_token * n)
+        def saved(counts):
+            """(seconds speculation saves this step, negative: what it loses;
+            at the best depth). The levels admitted at depth K, cut at each
+            depth (a shallower walk makes the step cheaper, which would admit
+            a level less only where it barely pays either way)."""
+            taken = admitted_levels(levels, num_reqs, base + draft_k, per_token, max_step, max_tokens, counts)
+            best, n, gain = None, 0, 0.0
+            for depth in range(1, self.k + 1):
+                if depth <= len(taken):
+                    take, surv = taken[depth - 1]
+                    n, gain = n + take, gain + take * surv
+                if depth == self.k or shallow:
+                    net = gain * value - (base - plain + draft_k - walk * (self.k - depth) + per_token * n)
+                    if best is None or net >= best[0]:  # ties: the deeper walk (more to learn from)
+                        best = (net, depth)
+            return best
 
-        net = saved(None)
+        net, self.depth = saved(None)
         # Dormant: drafting was skipped on nearly all recent steps and would
         # not pay now even with every request drafted. It ends once drafting
         # would pay on DORMANT_EXIT_CHECKS checks in a row (load that drops
@@ -466,7 +517,7 @@ class DSparkController:
         if net > 0 and caps is not None:
             # Caps only take candidates away, so they are read (a pass over
             # every request) only when drafting pays without them.
-            net = saved(level_counts(caps(), self.k))
+            net, self.depth = saved(level_counts(caps(), self.k))
         pays = net > 0
         self._since_skip += 1
         # Drafting is judged against the plain step, and no other model can
@@ -522,8 +573,11 @@ class DSparkController:
                 self._trace.block(self.steps, rid, greedy[i], raw_rows[i], cal_rows[i], n, a)
 
     def _trace_costs(self) -> dict:
-        return {"spec": vars(self.cost.params), "plain": vars(self.plain_cost.params),
-                "draft": vars(self.draft_cost.params)}
+        # A trace's drafting cost is a whole K-deep block's (the simulator drafts those).
+        par, walk = self.draft_cost.params, self.walk_cost.params
+        if self._walk_known():
+            par = CostParams(par.t0 + self.k * walk.t0, par.t_req + self.k * walk.t_req, par.t_tok)
+        return {"spec": vars(self.cost.params), "plain": vars(self.plain_cost.params), "draft": vars(par)}
 
     def acceptance_ratio(self) -> float:
         """The skip rule's accepted over expected tokens on recent verified
@@ -576,13 +630,15 @@ class DSparkController:
             "cost_params": vars(self.cost.params),
             "plain_cost_params": vars(self.plain_cost.params),
             "draft_cost_params": vars(self.draft_cost.params),
+            "walk_cost_params": vars(self.walk_cost.params),
+            "depth_hist": list(self.totals["depth_hist"]),
             "calibration": ({m: c.state() for m, c in self.calibrators.items()}
                             if self.calibrators else None),
             "load": vars(self._load) if self._load else None,
         }
 
     def close(self) -> None:
-        for model in (self.cost, self.plain_cost, self.draft_cost):
+        for model in (self.cost, self.plain_cost, self.draft_cost, self.walk_cost):
             model.save()
         if self._trace is not None:
             self._trace.flush()
@@ -616,13 +672,25 @@ def uniform_admission(conf: list[float], rows: int, base_cost: float, token_cost
                       counts: list[int] | None = None) -> tuple[int, float]:
     """ops.adaptive_lengths for ``rows`` requests with the same conditional
     confidences ``conf`` [K], in closed form: (tokens admitted, sum of their
-    survivals); ``counts[j]`` of them may verify position j (default: all).
+    survivals); see admitted_levels."""
+    levels = admitted_levels(conf, rows, base_cost, token_cost, max_step_time, max_tokens, counts)
+    return sum(take for take, _ in levels), sum(take * surv for take, surv in levels)
+
+
+def admitted_levels(conf: list[float], rows: int, base_cost: float, token_cost: float,
+                    max_step_time: float, max_tokens: int,
+                    counts: list[int] | None = None) -> list[tuple[int, float]]:
+    """ops.adaptive_lengths for ``rows`` requests with the same conditional
+    confidences ``conf`` [K], in closed form: (tokens admitted, their
+    survival) per position, up to the last admitted; ``counts[j]`` of the
+    requests may verify position j (default: all).
     Candidates come level by level (every row's position j, then j + 1);
     adding one of survival a to n admitted with survival sum S raises goodput
     iff a * (base + token_cost * n) > token_cost * (rows + S), and both sides
     grow by a * token_cost per admission, so a level is admitted whole or not
     at all, except where a cap cuts it."""
     n, gain, surv = 0, 0.0, 1.0
+    out = []
     limit = max_tokens
     if token_cost > 0 and math.isfinite(max_step_time):
         limit = min(limit, int(math.floor((max_step_time - base_cost) / token_cost + 1e-9)))
@@ -635,6 +703,7 @@ def uniform_admission(conf: list[float], rows: int, base_cost: float, token_cost
         if take <= 0:
             break
         n, gain = n + take, gain + take * surv
+        out.append((take, surv))
         if take < level:
             break
-    return n, gain
+    return out

@@ -1,13 +1,17 @@
 """Step-cost curves in a JSON file: pinned costs for the controller, and the
 curves the simulator replays traces on.
 
-A curve file holds the three linear step-time models the controller uses,
-each ``{"t0": s, "t_req": s, "t_tok": s}`` for T(R, B) = t0 + t_req R + t_tok B::
+A curve file holds the linear step-time models the controller uses, each
+``{"t0": s, "t_req": s, "t_tok": s}`` for T(R, B) = t0 + t_req R + t_tok B::
 
     {"name": "my-h200",
      "spec":  {...},   # a target step that verifies drafts (required)
      "plain": {...},   # a target step without drafts (default: same as spec)
      "draft": {...},   # drafting R blocks of K tokens, B = R K (default: free)
+     "walk":  {...},   # one position of the Markov walk over R blocks (B = 0);
+                       # given, "draft" is the rest of drafting and the
+                       # controller may walk fewer than K positions (default:
+                       # none, "draft" holds the whole walk and it walks K)
      "nospec": {...}}  # simulator only: a step of an engine without speculation
                        # configured (default: same as plain)
 
@@ -34,9 +38,10 @@ class CostCurve:
     plain: CostParams
     draft: CostParams = FREE
     nospec: CostParams | None = None
+    walk: CostParams | None = None
 
     def to_json(self) -> dict:
-        keys = ("spec", "plain", "draft") + (("nospec",) if self.nospec is not None else ())
+        keys = ("spec", "plain", "draft") + tuple(k for k in ("walk", "nospec") if getattr(self, k) is not None)
         return {"name": self.name, **{k: asdict(getattr(self, k)) for k in keys}}
 
     def save(self, path: Path) -> None:
@@ -61,9 +66,10 @@ def curve_from_json(data: object, where: str = "cost curve") -> CostCurve:
     if not isinstance(data, dict) or "spec" not in data:
         raise ValueError(f'{where}: expected a JSON object with at least a "spec" entry '
                          '({"t0": s, "t_req": s, "t_tok": s})')
-    unknown = set(data) - {"name", "spec", "plain", "draft", "nospec"}
+    unknown = set(data) - {"name", "spec", "plain", "draft", "walk", "nospec"}
     if unknown:
-        raise ValueError(f"{where}: unknown keys {sorted(unknown)}; valid keys are name, spec, plain, draft, nospec")
+        raise ValueError(f"{where}: unknown keys {sorted(unknown)}; valid keys are name, spec, plain, draft, "
+                         "walk, nospec")
     spec = _params(data, "spec", where)
     curve = CostCurve(
         name=str(data.get("name", where)),
@@ -71,6 +77,7 @@ def curve_from_json(data: object, where: str = "cost curve") -> CostCurve:
         plain=_params(data, "plain", where) if "plain" in data else spec,
         draft=_params(data, "draft", where) if "draft" in data else FREE,
         nospec=_params(data, "nospec", where) if "nospec" in data else None,
+        walk=_params(data, "walk", where) if "walk" in data else None,
     )
     if curve.spec.predict(1, 1) <= 1e-6:
         raise ValueError(f'{where}: "spec" predicts a zero step time; give t0 or t_tok > 0')

@@ -42,7 +42,7 @@ FEATURE_SCALE = (1.0, 8.0, 64.0)
 # neighbour burst, a blocked queue): they update the error statistics but not
 # the fit.
 OUTLIER_RATIO = 4.0
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5  # 5: the drafting model no longer holds the Markov walk
 # The reported error is over this many recent steps (the early steps, made
 # with the prior, say little about the fit).
 ERROR_WINDOW = 500

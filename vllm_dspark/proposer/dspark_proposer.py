@@ -12,6 +12,12 @@ previous token, sample (argmax at temperature 0, else from the processed
 Markov-corrected distribution), and finally the confidence head scores each
 position from its hidden state and the previous token only, which keeps any
 cut-off decided from it non-anticipating.
+
+The walk may stop at a depth d < K the controller chose before drafting (the
+sequential stage costs one step of small ops per position, whatever the batch
+size): positions past d are then never verified, and their tokens and
+confidences come from the parallel stage's argmax alone, which keeps the
+skip rule's survival estimates for the whole block.
 """
 
 import copy
@@ -49,6 +55,8 @@ class DSparkProposer(DFlashProposer):
         self.block_len = self.speculative_config.num_speculative_tokens  # K
         self.num_speculative_tokens = self.block_len - 1  # masks after the anchor
         self.last_confidence: torch.Tensor | None = None  # [B, K] raw logits, this step's blocks
+        self.depth = self.block_len  # positions the Markov head walks on the next propose()
+        self.last_walk_seconds = 0.0  # the last propose()'s Markov walk (its per-position loop)
         self.context_queue = ContextQueue(self._write_context)  # skipped steps' context
 
     def propose(
@@ -99,7 +107,8 @@ class DSparkProposer(DFlashProposer):
             hidden = self.model(**inputs)
         # The query rows are request-major: K consecutive rows per request.
         hidden = hidden[: batch * k].view(batch, k, -1)
-        tokens, probs, conf = self._sample_block(hidden, next_token_ids[:batch].long(), sampling_metadata)
+        tokens, probs, conf = self._sample_block(hidden, next_token_ids[:batch].long(), sampling_metadata,
+                                                 self.depth)
         self._last_draft_probs = probs
         self.last_confidence = conf
         return tokens
@@ -126,13 +135,17 @@ class DSparkProposer(DFlashProposer):
         self.model.precompute_and_store_context_kv(self.model.combine_hidden_states(features), positions, slots)
 
     @torch.inference_mode()
-    def _sample_block(self, hidden: torch.Tensor, anchors: torch.Tensor, sampling_metadata):
-        """Markov head left to right, then the confidence head.
+    def _sample_block(self, hidden: torch.Tensor, anchors: torch.Tensor, sampling_metadata,
+                      depth: int | None = None):
+        """Markov head left to right for ``depth`` positions (default K), then
+        the confidence head.
 
         hidden [B, K, H]; anchors [B]. Returns tokens [B, K] int64, draft
-        probabilities [B, K, V] float32 (None if every request is greedy) and
-        confidence logits [B, K] float32."""
+        probabilities [B, depth, V] float32 (None if every request is greedy)
+        and confidence logits [B, K] float32. Past ``depth`` the tokens are
+        the parallel stage's argmax and only their confidences are of use."""
         batch, k, h = hidden.shape
+        depth = k if depth is None else max(1, min(depth, k))
         base = self.model.compute_draft_logits(hidden.reshape(batch * k, h)).view(batch, k, -1)
         params = RowParams.from_metadata(sampling_metadata, batch, hidden.device)
         sampled = params.any_random
@@ -140,9 +153,11 @@ class DSparkProposer(DFlashProposer):
         tokens, probs, embeds = [], [], []
         # The draft's own draws come from the global RNG, never from a seeded
         # request's generator: a request that ends up verifying nothing then
-        # consumes exactly the draws it would without speculation.
+        # consumes exactly the draws it would without speculation. K of them
+        # at any depth: the first d positions are drawn alike at every depth.
         uniforms = torch.rand(batch, k, device=hidden.device) if sampled else None
-        for i in range(k):
+        t0 = time.perf_counter()
+        for i in range(depth):
             embed = self.model.markov_embed(prev)
             logits = base[:, i].float() + self.model.markov_bias(embed).float()
             token = logits.argmax(dim=-1)
@@ -153,9 +168,16 @@ class DSparkProposer(DFlashProposer):
             tokens.append(token)
             embeds.append(embed)
             prev = token
+        self.last_walk_seconds = time.perf_counter() - t0
+        walked = torch.stack(tokens, dim=1)
+        embeds = torch.stack(embeds, dim=1)
+        if depth < k:
+            rest = base[:, depth:].argmax(dim=-1)
+            walked = torch.cat([walked, rest], dim=1)
+            embeds = torch.cat([embeds, self.model.markov_embed(walked[:, depth - 1:k - 1])], dim=1)
         # Raw logits: the controller calibrates them per position.
         conf = self.model.model.confidence_head(
-            hidden.reshape(batch * k, h), torch.stack(embeds, dim=1).reshape(batch * k, -1)
+            hidden.reshape(batch * k, h), embeds.reshape(batch * k, -1)
         ).view(batch, k).float()
         draft_probs = torch.stack(probs, dim=1) if sampled else None
-        return torch.stack(tokens, dim=1), draft_probs, conf
+        return walked, draft_probs, conf

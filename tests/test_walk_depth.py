@@ -1,0 +1,65 @@
+"""The Markov walk stopped at depth d < K drafts exactly the first d
+positions of the full walk (tokens, draft probabilities, confidences), so a
+block cut at d is the block the full walk would have verified to d."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tests.test_rejection_sampler import _sampling_metadata
+from vllm_dspark.proposer.dspark_proposer import DSparkProposer
+
+H, E, V, K = 8, 4, 16, 5
+
+
+class _FakeDSpark:
+    """Random linear heads in place of the drafter's (the walk only calls these)."""
+
+    def __init__(self):
+        gen = torch.Generator().manual_seed(0)
+        self.head = torch.randn(H, V, generator=gen)
+        self.emb = torch.randn(V, E, generator=gen)
+        self.bias = 3 * torch.randn(E, V, generator=gen)  # strong enough to change the argmax
+        conf = torch.randn(H + E, generator=gen)
+        self.model = SimpleNamespace(confidence_head=lambda h, e: torch.cat([h, e], -1) @ conf)
+
+    def compute_draft_logits(self, hidden):
+        return hidden @ self.head
+
+    def markov_embed(self, ids):
+        return self.emb[ids]
+
+    def markov_bias(self, embed):
+        return embed @ self.bias
+
+
+@pytest.mark.parametrize("temps", [[0.0, 0.0, 0.0], [1.0, 0.0, 0.7]])
+def test_shallow_walk_is_the_full_walk_cut(temps):
+    proposer = object.__new__(DSparkProposer)  # only the walk: no vLLM config needed
+    proposer.model = _FakeDSpark()
+    hidden = torch.randn(3, K, H, generator=torch.Generator().manual_seed(1))
+    anchors = torch.tensor([1, 5, 9])
+    md = _sampling_metadata(temps)
+    torch.manual_seed(2)
+    full_tokens, full_probs, full_conf = proposer._sample_block(hidden, anchors, md)
+    assert (full_tokens[:, 1:] != proposer.model.compute_draft_logits(hidden[:, 1:]).argmax(-1)).any(), \
+        "the Markov bias must matter, or a cut walk is trivially the full one"
+    for depth in range(1, K + 1):
+        torch.manual_seed(2)
+        tokens, probs, conf = proposer._sample_block(hidden, anchors, md, depth)
+        assert tokens.shape == full_tokens.shape and conf.shape == full_conf.shape
+        assert torch.equal(tokens[:, :depth], full_tokens[:, :depth])
+        assert torch.equal(conf[:, :depth], full_conf[:, :depth])
+        if full_probs is None:
+            assert probs is None
+        else:
+            assert probs.shape[1] == depth and torch.equal(probs, full_probs[:, :depth])
+        # Past the walk: the parallel stage's argmax, still scored (each
+        # position from its hidden state and the token before it).
+        model = proposer.model
+        rest = model.compute_draft_logits(hidden[:, depth:]).argmax(-1)
+        assert torch.equal(tokens[:, depth:], rest)
+        expected = model.model.confidence_head(hidden[:, depth:], model.markov_embed(tokens[:, depth - 1:K - 1]))
+        assert torch.allclose(conf[:, depth:], expected, atol=1e-5)
+        assert proposer.last_walk_seconds > 0
