@@ -60,20 +60,25 @@ def test_adaptive_shrinks_under_token_cost():
     (16, [0.95] * 7, 5e-3, 1e-4, math.inf, 21),  # token cap cuts a level
     (8, [0.0, 0.9], 5e-3, 1e-4, math.inf, 1 << 30),  # nothing survives
 ])
-def test_uniform_admission_matches_the_op_on_identical_rows(rows, conf, base, tok, max_step, max_tokens):
+def test_admitted_levels_match_the_op_on_identical_rows(rows, conf, base, tok, max_step, max_tokens):
     """The skip rule's closed form agrees with ops.adaptive_lengths when every
     request has the same confidences."""
-    from vllm_dspark.controller.controller import uniform_admission
+    from vllm_dspark.controller.controller import admitted_levels
     from vllm_dspark.ops.reference import adaptive_lengths
 
     c = torch.tensor([conf] * rows, dtype=torch.float32)
     cap = torch.full((rows,), len(conf), dtype=torch.int32)
     lengths = adaptive_lengths(c, cap, base, tok, max_step, max_tokens)
-    surv = torch.cumprod(c, 1)
-    gain = float(surv[torch.arange(len(conf))[None, :] < lengths[:, None].long()].sum())
-    n, g = uniform_admission([float(x) for x in c[0]], rows, base, tok, max_step, max_tokens)
-    assert n == int(lengths.sum())
-    assert g == pytest.approx(gain, rel=1e-5)
+    _assert_levels_are_the_op_s(admitted_levels(c[0].tolist(), rows, base, tok, max_step, max_tokens), c, lengths)
+
+
+def _assert_levels_are_the_op_s(levels, conf, lengths):
+    """Per position: as many admitted as the op's lengths reach, at the rows' survival."""
+    surv = torch.cumprod(conf, 1)[0].tolist()
+    reach = [int((lengths > j).sum()) for j in range(conf.shape[1])]
+    assert [take for take, _ in levels] == [r for r in reach if r]
+    for j, (_, s) in enumerate(levels):
+        assert s == pytest.approx(surv[j], rel=1e-5)
 
 
 def test_probe_pace_follows_what_a_probe_costs():
@@ -205,19 +210,17 @@ def test_level_counts():
     ([0] * 4 + [2] * 6 + [7] * 6, 17),  # the token cap cuts the second level
     ([1, 3, 5, 7], 1 << 30),
 ])
-def test_uniform_admission_with_caps_matches_the_op(caps, max_tokens):
-    from vllm_dspark.controller.controller import level_counts, uniform_admission
+def test_admitted_levels_with_caps_match_the_op(caps, max_tokens):
+    from vllm_dspark.controller.controller import admitted_levels, level_counts
     from vllm_dspark.ops.reference import adaptive_lengths
 
     conf = [0.95] * 7
     rows = len(caps)
     c = torch.tensor([conf] * rows)
     lengths = adaptive_lengths(c, torch.tensor(caps, dtype=torch.int32), 5e-3, 1e-4, math.inf, max_tokens)
-    surv = torch.cumprod(c, 1)
-    gain = float(surv[torch.arange(7)[None, :] < lengths[:, None].long()].sum())
-    n, g = uniform_admission(conf, rows, 5e-3, 1e-4, math.inf, max_tokens, level_counts(caps, 7))
-    assert 0 < n == int(lengths.sum())
-    assert g == pytest.approx(gain, rel=1e-5)
+    levels = admitted_levels(conf, rows, 5e-3, 1e-4, math.inf, max_tokens, level_counts(caps, 7))
+    assert levels
+    _assert_levels_are_the_op_s(levels, c, lengths)
 
 
 def _skip_rule_ctl(**knobs):
@@ -399,12 +402,12 @@ def _depth_ctl(walk_s: float):
     return ctl, logits
 
 
-@pytest.mark.parametrize(("walk_s", "depth"), [(3e-3, 2), (1e-6, 4)])
+@pytest.mark.parametrize(("walk_s", "depth"), [(1.5e-3, 3), (1e-6, 4)])
 def test_walk_depth_is_where_another_position_stops_paying(walk_s, depth):
     """A position is walked when what it adds is worth its walk and its
-    verification: at 3 ms a position, position 3 (0.36 tokens, worth 1.9 ms)
-    is not; when walking costs nothing, 3 and 4 are. Lengths then stop at
-    the depth."""
+    verification: at 1.5 ms a position, position 4 (0.18 tokens, worth
+    0.9 ms) is not, position 3 (0.36, 1.9 ms) is; when walking costs
+    nothing, 4 is too. Lengths then stop at the depth."""
     ctl, logits = _depth_ctl(walk_s)
     assert not ctl.should_skip_drafting(1)
     assert ctl.depth == depth
@@ -449,3 +452,10 @@ def test_walk_time_trains_the_walk_model_and_leaves_the_drafting_model():
         ctl.record_step(4, 12, True, 0.010, 0.003, 4, walk_seconds=0.001, depth=2)
     assert ctl.walk_cost.params.predict(4, 0) == pytest.approx(0.0005, rel=0.05)
     assert ctl.draft_cost.params.predict(4, 16) == pytest.approx(0.002, rel=0.05)
+
+
+def test_whether_to_draft_is_judged_at_depth_k():
+    """At 3 ms a position only a 2-deep walk would pay; drafting is judged at
+    depth K, where it does not: the step is skipped."""
+    ctl, _ = _depth_ctl(3e-3)
+    assert ctl.should_skip_drafting(1)

@@ -483,21 +483,26 @@ class DSparkController:
         walk = self.walk_cost.params.predict(num_reqs, 0) if shallow else 0.0
 
         def saved(counts):
-            """(seconds speculation saves this step, negative: what it loses;
-            at the best depth). The levels admitted at depth K, cut at each
-            depth (a shallower walk makes the step cheaper, which would admit
-            a level less only where it barely pays either way)."""
+            """(seconds speculation saves this step at depth K, negative: what
+            it loses; the depth that saves the most). Whether to draft is
+            judged at depth K: the skip rule and dormancy were tuned on it,
+            and near break-even (where only a shallow walk would pay) the
+            cost models' errors are larger than the walk it saves (judged at
+            the best depth, a c=16 run drafted on twice the steps, below
+            no-spec). The levels admitted at depth K are cut at each depth (a
+            shallower walk makes the step cheaper, which would admit a level
+            less only where it barely pays either way)."""
             taken = admitted_levels(levels, num_reqs, base + draft_k, per_token, max_step, max_tokens, counts)
             best, n, gain = None, 0, 0.0
             for depth in range(1, self.k + 1):
                 if depth <= len(taken):
-                    take, surv = taken[depth - 1]
-                    n, gain = n + take, gain + take * surv
+                    take, level_surv = taken[depth - 1]
+                    n, gain = n + take, gain + take * level_surv
                 if depth == self.k or shallow:
                     net = gain * value - (base - plain + draft_k - walk * (self.k - depth) + per_token * n)
                     if best is None or net >= best[0]:  # ties: the deeper walk (more to learn from)
                         best = (net, depth)
-            return best
+            return net, best[1]
 
         net, self.depth = saved(None)
         # Dormant: drafting was skipped on nearly all recent steps and would
@@ -665,16 +670,6 @@ def level_counts(caps: list[int], k: int) -> list[int]:
         above -= hist[j]
         counts.append(above)
     return counts
-
-
-def uniform_admission(conf: list[float], rows: int, base_cost: float, token_cost: float,
-                      max_step_time: float, max_tokens: int,
-                      counts: list[int] | None = None) -> tuple[int, float]:
-    """ops.adaptive_lengths for ``rows`` requests with the same conditional
-    confidences ``conf`` [K], in closed form: (tokens admitted, sum of their
-    survivals); see admitted_levels."""
-    levels = admitted_levels(conf, rows, base_cost, token_cost, max_step_time, max_tokens, counts)
-    return sum(take for take, _ in levels), sum(take * surv for take, surv in levels)
 
 
 def admitted_levels(conf: list[float], rows: int, base_cost: float, token_cost: float,
