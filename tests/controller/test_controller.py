@@ -454,8 +454,14 @@ def test_walk_time_trains_the_walk_model_and_leaves_the_drafting_model():
     assert ctl.draft_cost.params.predict(4, 16) == pytest.approx(0.002, rel=0.05)
 
 
-def test_whether_to_draft_is_judged_at_depth_k():
-    """At 3 ms a position only a 2-deep walk would pay; drafting is judged at
-    depth K, where it does not: the step is skipped."""
+def test_drafting_is_judged_at_the_best_depth():
+    """At 3 ms a position a K-deep walk would not pay, a 2-deep one does:
+    the step drafts, 2 deep. A request that may verify only one more token
+    (max_tokens) makes the deeper positions certain waste: at 2.5 ms a
+    position, 1 deep (it pays there, not at K)."""
     ctl, _ = _depth_ctl(3e-3)
-    assert ctl.should_skip_drafting(1)
+    assert not ctl.should_skip_drafting(1)
+    assert ctl.depth == 2
+    ctl, _ = _depth_ctl(2.5e-3)
+    assert not ctl.should_skip_drafting(1, caps=lambda: [1])
+    assert ctl.depth == 1

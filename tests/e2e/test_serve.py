@@ -13,7 +13,7 @@ import pytest
 import requests
 
 from tests.conftest import TARGET_DIR
-from tests.e2e.conftest import IDENTITY_TOKENS, dspark_config
+from tests.e2e.conftest import IDENTITY_TOKENS, TEST_DTYPE, dspark_config
 
 pytestmark = pytest.mark.e2e
 STARTUP_TIMEOUT_S = 300
@@ -31,7 +31,7 @@ def server(nospec_reference, tmp_path_factory):
     log = tmp_path_factory.mktemp("serve") / "server.log"
     cmd = [str(Path(sys.executable).parent / "vllm"), "serve", str(TARGET_DIR),
            "--speculative-config", json.dumps(dspark_config(7)),
-           "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16",
+           "--host", "127.0.0.1", "--port", str(port), "--dtype", TEST_DTYPE,
            "--max-model-len", "512", "--max-num-seqs", "16", "--gpu-memory-utilization", "0.1",
            "--enforce-eager", "--seed", "0"]
     with open(log, "w") as fh:

@@ -483,15 +483,11 @@ class DSparkController:
         walk = self.walk_cost.params.predict(num_reqs, 0) if shallow else 0.0
 
         def saved(counts):
-            """(seconds speculation saves this step at depth K, negative: what
-            it loses; the depth that saves the most). Whether to draft is
-            judged at depth K: the skip rule and dormancy were tuned on it,
-            and near break-even (where only a shallow walk would pay) the
-            cost models' errors are larger than the walk it saves (judged at
-            the best depth, a c=16 run drafted on twice the steps, below
-            no-spec). The levels admitted at depth K are cut at each depth (a
-            shallower walk makes the step cheaper, which would admit a level
-            less only where it barely pays either way)."""
+            """(seconds speculation saves this step, negative: what it loses;
+            at the depth that saves the most). The levels admitted at depth K
+            are cut at each depth (a shallower walk makes the step cheaper,
+            which would admit a level less only where it barely pays either
+            way)."""
             taken = admitted_levels(levels, num_reqs, base + draft_k, per_token, max_step, max_tokens, counts)
             best, n, gain = None, 0, 0.0
             for depth in range(1, self.k + 1):
@@ -502,7 +498,7 @@ class DSparkController:
                     net = gain * value - (base - plain + draft_k - walk * (self.k - depth) + per_token * n)
                     if best is None or net >= best[0]:  # ties: the deeper walk (more to learn from)
                         best = (net, depth)
-            return net, best[1]
+            return best
 
         net, self.depth = saved(None)
         # Dormant: drafting was skipped on nearly all recent steps and would
