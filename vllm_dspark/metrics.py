@@ -100,8 +100,7 @@ class DSparkCollector:
                 cum += count
                 buckets.append((str(float(n)), cum))
             buckets.append(("+Inf", cum))
-            yield HistogramMetricFamily(PREFIX + name, doc, buckets=buckets,
-                                        sum_value=sum(n * c for n, c in enumerate(hist)))
+            yield HistogramMetricFamily(PREFIX + name, doc, buckets=buckets, sum_value=_value_sum(hist))
         step = GaugeMetricFamily(PREFIX + "step_time_seconds", "Step time, predicted by the cost model "
                                  "before the step and measured after it.", labels=["kind"])
         for kind in ("predicted", "measured"):
@@ -164,7 +163,12 @@ def summary_line(snap: dict) -> str:
             f"load running={load.get('running')} waiting={load.get('waiting')} kv={load.get('kv_usage')}")
 
 
+def _value_sum(hist: list[int]) -> int:
+    """Sum of the values counted by a histogram indexed by value."""
+    return sum(n * c for n, c in enumerate(hist))
+
+
 def _mean(hist: list[int]) -> float:
     """Mean of a histogram indexed by value."""
     total = sum(hist)
-    return sum(n * c for n, c in enumerate(hist)) / total if total else 0.0
+    return _value_sum(hist) / total if total else 0.0

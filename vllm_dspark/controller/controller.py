@@ -473,13 +473,12 @@ class DSparkController:
             self.depth = self.k
             return self._skip() if draftable is not None and draftable() == 0 else self._drafts()
         mean_surv, ratio = estimate
-        base, plain, _, per_token = self._step_costs(num_reqs, depth=self.k)
+        base, plain, draft_k, per_token = self._step_costs(num_reqs, depth=self.k)
         max_step, max_tokens = self._caps(num_reqs)
         surv = [min(1.0, s * ratio) for s in mean_surv]
         levels = [s / p if p > 0 else 0.0 for s, p in zip(surv, [1.0, *surv[:-1]])]
         value = self._token_value(num_reqs)
         shallow = self._walk_known()
-        draft_k = self._draft_seconds(num_reqs, self.k)
         walk = self.walk_cost.params.predict(num_reqs, 0) if shallow else 0.0
 
         def saved(counts):
