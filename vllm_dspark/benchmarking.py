@@ -155,6 +155,23 @@ def measure_interleaved(engines: dict, prompts: list[str], concurrencies: list[i
     return out
 
 
+def measure_head_to_head(first, second, prompts: list[str], concurrency: int, max_tokens: int,
+                         pairs: int) -> list[tuple[float, float]]:
+    """Two live engines, one round each back to back, ``pairs`` times, the
+    order swapped every pair (ABBA: a steady drift favours neither). Returns
+    (first's, second's) tok/s per pair. Two engines only, so each pair's
+    rounds are seconds apart, not a whole sweep round: the per-pair ratio
+    cancels more of a shared machine's drift than the sweep's rounds can."""
+    waves = max(2, 4 // concurrency)  # the sweep's round
+    batch = prompts[: concurrency * waves]
+    out = []
+    for i in range(pairs):
+        order = (first, second) if i % 2 == 0 else (second, first)
+        rates = {id(llm): measure_offline(llm, batch, concurrency, max_tokens).tokens_per_s for llm in order}
+        out.append((rates[id(first)], rates[id(second)]))
+    return out
+
+
 def _acceptance(llm) -> dict:
     """A DSpark engine's cumulative (blocks verified, tokens accepted), in the
     shape of spec_counters; empty without speculation."""

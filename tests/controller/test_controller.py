@@ -345,6 +345,29 @@ def test_dormant_after_a_long_skip_until_drafting_pays(monkeypatch):
     assert small.should_skip_drafting(1) and small.dormant
 
 
+def test_dormancy_ends_only_where_drafting_pays_beyond_the_cost_models_error(monkeypatch):
+    """With the load gone, drafting one block saves about 16.5 ms against
+    3.5 ms of drafting and verifying (net 4.7x its cost). Checks count
+    toward ending dormancy only where the net exceeds the models' recent
+    mean relative error times that cost: not at 500% error, yes at 100%."""
+    from vllm_dspark.controller import controller as cc
+
+    monkeypatch.setattr(cc, "PROBE_LOSS_BUDGET", 1e-9)
+    ends = []
+    for error in (5.0, 1.0):
+        ctl = _skip_rule_ctl(dormant_after_steps=16)
+        for _ in range(17):
+            _start(ctl, waiting=0, running=64)
+            ctl.should_skip_drafting(1)
+        assert ctl.dormant
+        ctl._step_errors.extend([error] * 10)
+        for _ in range(4 * cc.DORMANT_RECHECK_EVERY):
+            _start(ctl, waiting=0)
+            ctl.should_skip_drafting(1, caps=lambda: [0], draftable=lambda: 0)
+        ends.append(not ctl.dormant)
+    assert ends == [False, True]
+
+
 def test_dormant_engine_still_probes(monkeypatch):
     """Dormant, with one request that has context, probes still come (at a
     recheck): they are what can tell that drafting pays again."""

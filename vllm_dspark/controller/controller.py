@@ -483,7 +483,8 @@ class DSparkController:
 
         def saved(counts):
             """(seconds speculation saves this step, negative: what it loses;
-            at the depth that saves the most). The levels admitted at depth K
+            at the depth that saves the most; what drafting and verifying
+            cost there). The levels admitted at depth K
             are cut at each depth (a shallower walk makes the step cheaper,
             which would admit a level less only where it barely pays either
             way)."""
@@ -494,18 +495,23 @@ class DSparkController:
                     take, level_surv = taken[depth - 1]
                     n, gain = n + take, gain + take * level_surv
                 if depth == self.k or shallow:
-                    net = gain * value - (base - plain + draft_k - walk * (self.k - depth) + per_token * n)
+                    spend = base - plain + draft_k - walk * (self.k - depth) + per_token * n
+                    net = gain * value - spend
                     if best is None or net >= best[0]:  # ties: the deeper walk (more to learn from)
-                        best = (net, depth)
+                        best = (net, depth, spend)
             return best
 
-        net, self.depth = saved(None)
+        net, self.depth, spend = saved(None)
         # Dormant: drafting was skipped on nearly all recent steps and would
         # not pay now even with every request drafted. It ends once drafting
         # would pay on DORMANT_EXIT_CHECKS checks in a row (load that drops
         # ends it, though the requests left have no context).
         if self.dormant:
-            self._paying_checks = self._paying_checks + 1 if net > 0 else 0
+            # Ending it must pay beyond the cost models' recent error: it
+            # costs what no model sees (every new request's context queued
+            # and written again), and a rule near break-even flips on noise.
+            sure = net > self._model_error() * spend
+            self._paying_checks = self._paying_checks + 1 if sure else 0
             self.dormant = self._paying_checks < DORMANT_EXIT_CHECKS
         else:
             recent = self._recent_skips
@@ -517,7 +523,7 @@ class DSparkController:
         if net > 0 and caps is not None:
             # Caps only take candidates away, so they are read (a pass over
             # every request) only when drafting pays without them.
-            net, self.depth = saved(level_counts(caps(), self.k))
+            net, self.depth, _ = saved(level_counts(caps(), self.k))
         pays = net > 0
         self._since_skip += 1
         # Drafting is judged against the plain step, and no other model can
@@ -542,6 +548,11 @@ class DSparkController:
         self._skips_in_row = 0 if explore else self._skips_in_row + 1
         self._since_skip = 0
         return self._skip()
+
+    def _model_error(self) -> float:
+        """Mean relative error of the recent whole-step predictions (0 before any)."""
+        errors = self._step_errors
+        return sum(errors) / len(errors) if errors else 0.0
 
     def _skip(self) -> bool:
         self._remember(True)
@@ -625,8 +636,7 @@ class DSparkController:
             "accepted_tokens": self.totals["accepted_tokens"],
             "predicted_step_s": self.last.predicted_s,
             "measured_step_s": self.last.measured_s,
-            "cost_model_mape": (100.0 * sum(self._step_errors) / len(self._step_errors)
-                                if self._step_errors else None),
+            "cost_model_mape": 100.0 * self._model_error() if self._step_errors else None,
             "cost_params": vars(self.cost.params),
             "plain_cost_params": vars(self.plain_cost.params),
             "draft_cost_params": vars(self.draft_cost.params),
