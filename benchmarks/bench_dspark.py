@@ -199,7 +199,7 @@ def plot(record: dict, path: Path) -> None:
             ax.plot([i - 0.3, i + 0.3], [duels[c]["median"]] * 2, color="black")
         ax.axhline(0.97, color="red", linestyle="--", linewidth=1, label="target 0.97")
         ax.set_xticks(range(len(cs)), [f"c={c}\nvs {duels[c]['against']}" for c in cs], fontsize=8)
-        ax.set_title("head to head: adaptive / best other arm, per pair (bar: median)")
+        ax.set_title("head to head: adaptive / best other arm\n(dots: pairs of rounds, bar: median)", fontsize=10)
         ax.grid(alpha=0.3)
         ax.legend()
     fig.suptitle(f"{Path(record['target']).name}: greedy, {record['max_tokens']} new tokens; "

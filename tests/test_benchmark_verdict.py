@@ -1,0 +1,56 @@
+"""The benchmark's head-to-head phase and the target verdict built on it
+(no engines: measure_offline is replaced by fixed rates per engine)."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from vllm_dspark import benchmarking
+from vllm_dspark.benchmarking import ThroughputSample
+
+
+def _bench_module():
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_dspark.py"
+    spec = importlib.util.spec_from_file_location("bench_dspark", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_head_to_head_alternates_order_and_keeps_each_engines_rate(monkeypatch):
+    calls = []
+
+    def fake_measure(llm, prompts, concurrency, max_tokens):
+        calls.append(llm)
+        rate = {"a": 90.0, "b": 100.0}[llm]
+        return ThroughputSample(concurrency, len(prompts), int(rate), 1.0)
+
+    monkeypatch.setattr(benchmarking, "measure_offline", fake_measure)
+    pairs = benchmarking.measure_head_to_head("a", "b", ["p"] * 64, 16, 8, pairs=4)
+    assert calls == ["a", "b", "b", "a", "a", "b", "b", "a"]  # ABBA: drift favours neither
+    assert pairs == [(90.0, 100.0)] * 4  # (first's, second's) whichever ran first
+
+
+def _arms(adaptive_rounds, nospec_rounds):
+    import statistics
+
+    def rows(rounds):
+        return [{"concurrency": 16, "tokens_per_s": statistics.median(rounds), "rounds_tokens_per_s": rounds}]
+
+    return {"nospec": rows(nospec_rounds), "dspark-k7": rows([50.0] * 3), "dspark-adaptive": rows(adaptive_rounds)}
+
+
+@pytest.mark.parametrize("duel_ratio, verdict", [(0.99, "OK"), (0.95, "MISS")])
+def test_verdict_uses_the_head_to_head_where_run(duel_ratio, verdict):
+    bench = _bench_module()
+    arms = _arms([90.0, 91.0, 92.0], [100.0] * 3)  # sweep: about 0.91x no-spec
+    assert bench.best_other(arms) == {16: "nospec"}
+    assert bench.check_targets(arms)["lines"][0].endswith("MISS")
+    pairs = [(duel_ratio * 100.0, 100.0)] * 5
+    duel = {16: {"against": "nospec", "pairs": pairs, "median": duel_ratio,
+                 "interval90": bench.bootstrap_median_interval([a / b for a, b in pairs])}}
+    out = bench.check_targets(arms, duel)
+    assert out["verdict_ratio"][16] == duel_ratio
+    assert out["lines"][0].endswith(verdict)
+    assert out["vs_best_other_per_round"][16] == pytest.approx(0.91)  # still reported
