@@ -1,0 +1,120 @@
+"""What a DSpark engine that never drafts costs against no speculation.
+
+    python benchmarks/bench_dormant_floor.py                 # c = 16 and 64, 40 pairs each, ~12 min
+    python benchmarks/bench_dormant_floor.py --concurrency 16 --pairs 20
+
+Under sustained load the adaptive controller goes dormant and drafts almost
+nothing, so no-spec is the arm it is measured against, and what it can reach
+there is bounded by this floor: the same engine, held dormant from the start
+(the skip rule still runs, the one request kept for probes still queues its
+context, but no step drafts). Head to head against no-spec, as in
+bench_dspark.py. Writes JSON (machine, versions, every pair) and a PNG.
+
+Holding the engine dormant patches its worker through collective_rpc with a
+function, which vLLM only accepts with VLLM_ALLOW_INSECURE_SERIALIZATION=1;
+this script sets it for its own engines.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+
+def hold_dormant(worker) -> bool:
+    """Runs in the worker: the controller is dormant on every step and never drafts."""
+    ctl = worker.model_runner.dspark
+    rule = ctl.should_skip_drafting
+
+    def never_draft(num_reqs, caps=None, draftable=None):
+        ctl.dormant = True
+        rule(num_reqs, caps, draftable)  # its bookkeeping and admissions, as when dormant
+        return ctl._skip()
+
+    ctl.should_skip_drafting = never_draft
+    return True
+
+
+def plot(record: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    rows = record["concurrency"]
+    for i, row in enumerate(rows):
+        ratios = [a / b for a, b in row["pairs"]]
+        ax.scatter([i] * len(ratios), ratios, s=10, alpha=0.5)
+        ax.plot([i - 0.3, i + 0.3], [row["median"]] * 2, color="black")
+    ax.axhline(1.0, color="grey", linewidth=1)
+    ax.axhline(0.97, color="red", linestyle="--", linewidth=1, label="0.97")
+    ax.set_xticks(range(len(rows)), [f"c={row['c']}" for row in rows])
+    ax.set_title("DSpark engine held dormant / no-spec, per pair (bar: median)", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[16, 64])
+    ap.add_argument("--pairs", type=int, default=40)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "dormant_floor.json")
+    args = ap.parse_args(argv)
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    import tempfile
+
+    os.environ.setdefault("VLLM_DSPARK_CACHE_DIR", tempfile.mkdtemp(prefix="dspark_cache_"))
+    from bench_dspark import BENCH_KV_FRACTION, bootstrap_median_interval
+
+    from vllm_dspark.benchmarking import (TINY_DRAFTER, TINY_TARGET, machine_info, measure_head_to_head,
+                                          measure_offline, start_engine, stop_engine)
+    from vllm_dspark.training.prompts import load_prompts
+
+    prompts = [p["text"] for p in load_prompts()]
+    top = max(args.concurrency)
+    spec = {"method": "dspark", "model": str(REPO / TINY_DRAFTER), "num_speculative_tokens": 7}
+    t0 = time.time()
+    nospec = start_engine(str(REPO / TINY_TARGET), top, gpu_memory_utilization=BENCH_KV_FRACTION)
+    held = start_engine(str(REPO / TINY_TARGET), top, spec=spec, knobs={"persist_cost_model": False},
+                        gpu_memory_utilization=BENCH_KV_FRACTION)
+    rows = []
+    try:
+        held.collective_rpc(hold_dormant)
+        for llm in (nospec, held):
+            measure_offline(llm, prompts[:4], 4, 16)  # warm-up
+        for c in args.concurrency:
+            rates = measure_head_to_head(held, nospec, prompts, c, args.max_tokens, args.pairs)
+            ratios = [a / b for a, b in rates]
+            row = {"c": c, "pairs": rates, "median": statistics.median(ratios),
+                   "interval90": bootstrap_median_interval(ratios)}
+            rows.append(row)
+            print(f"[floor] c={c}: held dormant / no-spec = {row['median']:.3f} (median of {args.pairs} "
+                  f"pairs; 90% interval {row['interval90'][0]:.2f}-{row['interval90'][1]:.2f})", flush=True)
+        snap = held.collective_rpc("dspark_snapshot")[0]
+    finally:
+        for llm in (nospec, held):
+            stop_engine(llm)
+    record = {"command": " ".join(["python", "benchmarks/bench_dormant_floor.py", *(argv or sys.argv[1:])]),
+              "machine": machine_info(), "max_tokens": args.max_tokens, "concurrency": rows,
+              "held_engine": {k: snap[k] for k in ("steps", "skipped_steps", "contextless_requests")},
+              "wall_seconds": round(time.time() - t0, 1)}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(record, indent=2) + "\n")
+    plot(record, args.out.with_suffix(".png"))
+    print(f"[floor] wrote {args.out} and {args.out.with_suffix('.png')}")
+    return record
+
+
+if __name__ == "__main__":
+    main()
