@@ -16,7 +16,6 @@ this script sets it for its own engines.
 """
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -78,7 +77,7 @@ def main(argv=None) -> dict:
     from bench_dspark import BENCH_KV_FRACTION, bootstrap_median_interval
 
     from vllm_dspark.benchmarking import (TINY_DRAFTER, TINY_TARGET, machine_info, measure_head_to_head,
-                                          measure_offline, start_engine, stop_engine)
+                                          measure_offline, start_engine, stop_engine, write_record)
     from vllm_dspark.training.prompts import load_prompts
 
     prompts = [p["text"] for p in load_prompts()]
@@ -109,10 +108,7 @@ def main(argv=None) -> dict:
               "machine": machine_info(), "max_tokens": args.max_tokens, "concurrency": rows,
               "held_engine": {k: snap[k] for k in ("steps", "skipped_steps", "contextless_requests")},
               "wall_seconds": round(time.time() - t0, 1)}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(record, indent=2) + "\n")
-    plot(record, args.out.with_suffix(".png"))
-    print(f"[floor] wrote {args.out} and {args.out.with_suffix('.png')}")
+    write_record(record, args.out, plot, "floor")
     return record
 
 

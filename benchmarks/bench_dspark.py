@@ -18,7 +18,6 @@ machine that drift is what limits how small a difference a run resolves.
 """
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -236,7 +235,7 @@ def main(argv=None) -> dict:
     record = {"command": " ".join(["python", "benchmarks/bench_dspark.py", *(argv or sys.argv[1:])]),
               "machine": machine_info(), "target": args.target, "drafter": args.drafter,
               "max_tokens": args.max_tokens, "arms": {}}
-    from vllm_dspark.benchmarking import measure_interleaved, stop_engine
+    from vllm_dspark.benchmarking import measure_interleaved, stop_engine, write_record
 
     t0 = time.time()
     engines = {}
@@ -262,10 +261,7 @@ def main(argv=None) -> dict:
         record["targets"] = check_targets(record["arms"], record.get("head_to_head"))
         for line in record["targets"]["lines"]:
             print(f"[bench] {line}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(record, indent=2) + "\n")
-    plot(record, args.out.with_suffix(".png"))
-    print(f"[bench] wrote {args.out} and {args.out.with_suffix('.png')}")
+    write_record(record, args.out, plot, "bench")
     return record
 
 

@@ -172,6 +172,16 @@ def measure_head_to_head(first, second, prompts: list[str], concurrency: int, ma
     return out
 
 
+def write_record(record: dict, out, plot, tag: str) -> None:
+    """A benchmark's JSON at ``out`` and ``plot(record, path)``'s PNG next to it."""
+    import json
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=2) + "\n")
+    plot(record, out.with_suffix(".png"))
+    print(f"[{tag}] wrote {out} and {out.with_suffix('.png')}")
+
+
 def _acceptance(llm) -> dict:
     """A DSpark engine's cumulative (blocks verified, tokens accepted), in the
     shape of spec_counters; empty without speculation."""
