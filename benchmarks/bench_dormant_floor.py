@@ -17,7 +17,6 @@ this script sets it for its own engines.
 
 import argparse
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -47,18 +46,12 @@ def plot(record: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from bench_dspark import plot_pairs
+
     fig, ax = plt.subplots(figsize=(6, 4))
-    rows = record["concurrency"]
-    for i, row in enumerate(rows):
-        ratios = [a / b for a, b in row["pairs"]]
-        ax.scatter([i] * len(ratios), ratios, s=10, alpha=0.5)
-        ax.plot([i - 0.3, i + 0.3], [row["median"]] * 2, color="black")
     ax.axhline(1.0, color="grey", linewidth=1)
-    ax.axhline(0.97, color="red", linestyle="--", linewidth=1, label="0.97")
-    ax.set_xticks(range(len(rows)), [f"c={row['c']}" for row in rows])
-    ax.set_title("DSpark engine held dormant / no-spec, per pair (bar: median)", fontsize=10)
-    ax.grid(alpha=0.3)
-    ax.legend()
+    plot_pairs(ax, [(f"c={row['c']}", row) for row in record["concurrency"]],
+               "DSpark engine held dormant / no-spec, per pair (bar: median)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -74,7 +67,7 @@ def main(argv=None) -> dict:
     import tempfile
 
     os.environ.setdefault("VLLM_DSPARK_CACHE_DIR", tempfile.mkdtemp(prefix="dspark_cache_"))
-    from bench_dspark import BENCH_KV_FRACTION, bootstrap_median_interval
+    from bench_dspark import BENCH_KV_FRACTION, pair_summary
 
     from vllm_dspark.benchmarking import (TINY_DRAFTER, TINY_TARGET, machine_info, measure_head_to_head,
                                           measure_offline, start_engine, stop_engine, write_record)
@@ -94,9 +87,7 @@ def main(argv=None) -> dict:
             measure_offline(llm, prompts[:4], 4, 16)  # warm-up
         for c in args.concurrency:
             rates = measure_head_to_head(held, nospec, prompts, c, args.max_tokens, args.pairs)
-            ratios = [a / b for a, b in rates]
-            row = {"c": c, "pairs": rates, "median": statistics.median(ratios),
-                   "interval90": bootstrap_median_interval(ratios)}
+            row = {"c": c, **pair_summary(rates)}
             rows.append(row)
             print(f"[floor] c={c}: held dormant / no-spec = {row['median']:.3f} (median of {args.pairs} "
                   f"pairs; 90% interval {row['interval90'][0]:.2f}-{row['interval90'][1]:.2f})", flush=True)

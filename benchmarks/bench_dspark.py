@@ -141,19 +141,38 @@ def check_targets(arms: dict, head_to_head: dict | None = None) -> dict:
 def run_head_to_head(engines: dict, arms: dict, prompts: list[str], max_tokens: int, pairs: int) -> dict:
     """Adaptive against each concurrency's best other arm of the sweep, in
     ``pairs`` alternating pairs of rounds (see measure_head_to_head)."""
-    import statistics
-
     from vllm_dspark.benchmarking import measure_head_to_head
 
     out = {}
     for c, name in best_other(arms).items():
         rates = measure_head_to_head(engines["dspark-adaptive"], engines[name], prompts, c, max_tokens, pairs)
-        per_pair = [a / b for a, b in rates]
-        out[c] = {"against": name, "pairs": rates, "median": statistics.median(per_pair),
-                  "interval90": bootstrap_median_interval(per_pair)}
+        out[c] = {"against": name, **pair_summary(rates)}
         print(f"[bench] head to head c={c}: adaptive / {name} = {out[c]['median']:.3f} "
               f"(median of {pairs} pairs)", flush=True)
     return out
+
+
+def pair_summary(rates: list[tuple[float, float]]) -> dict:
+    """Head-to-head pairs (first's, second's tok/s): the pairs, and the median
+    of first / second with its 90% bootstrap interval."""
+    import statistics
+
+    ratios = [a / b for a, b in rates]
+    return {"pairs": rates, "median": statistics.median(ratios), "interval90": bootstrap_median_interval(ratios)}
+
+
+def plot_pairs(ax, groups: list[tuple[str, dict]], title: str) -> None:
+    """Every pair's ratio per group (label, pair_summary), its median as a bar,
+    against the 0.97 target."""
+    for i, (_, summary) in enumerate(groups):
+        ratios = [a / b for a, b in summary["pairs"]]
+        ax.scatter([i] * len(ratios), ratios, s=10, alpha=0.5)
+        ax.plot([i - 0.3, i + 0.3], [summary["median"]] * 2, color="black")
+    ax.axhline(0.97, color="red", linestyle="--", linewidth=1, label="target 0.97")
+    ax.set_xticks(range(len(groups)), [label for label, _ in groups], fontsize=8)
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend()
 
 
 BOOTSTRAP = 2000
@@ -189,18 +208,8 @@ def plot(record: dict, path: Path) -> None:
         ax.grid(alpha=0.3)
     axes[0].legend()
     if duels:
-        # Every pair's ratio, per concurrency, against the 0.97 target.
-        ax = axes[2]
-        cs = sorted(duels)
-        for i, c in enumerate(cs):
-            ratios = [a / b for a, b in duels[c]["pairs"]]
-            ax.scatter([i] * len(ratios), ratios, s=10, alpha=0.5)
-            ax.plot([i - 0.3, i + 0.3], [duels[c]["median"]] * 2, color="black")
-        ax.axhline(0.97, color="red", linestyle="--", linewidth=1, label="target 0.97")
-        ax.set_xticks(range(len(cs)), [f"c={c}\nvs {duels[c]['against']}" for c in cs], fontsize=8)
-        ax.set_title("head to head: adaptive / best other arm\n(dots: pairs of rounds, bar: median)", fontsize=10)
-        ax.grid(alpha=0.3)
-        ax.legend()
+        plot_pairs(axes[2], [(f"c={c}\nvs {duels[c]['against']}", duels[c]) for c in sorted(duels)],
+                   "head to head: adaptive / best other arm\n(dots: pairs of rounds, bar: median)")
     fig.suptitle(f"{Path(record['target']).name}: greedy, {record['max_tokens']} new tokens; "
                  f"{record['machine']['cpu']} x{record['machine']['cores']}", fontsize=9)
     fig.tight_layout()
