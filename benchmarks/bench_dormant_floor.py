@@ -67,7 +67,7 @@ def main(argv=None) -> dict:
     import tempfile
 
     os.environ.setdefault("VLLM_DSPARK_CACHE_DIR", tempfile.mkdtemp(prefix="dspark_cache_"))
-    from bench_dspark import BENCH_KV_FRACTION, pair_summary
+    from bench_dspark import pair_summary
 
     from vllm_dspark.benchmarking import (TINY_DRAFTER, TINY_TARGET, machine_info, measure_head_to_head,
                                           measure_offline, start_engine, stop_engine, write_record)
@@ -77,9 +77,8 @@ def main(argv=None) -> dict:
     top = max(args.concurrency)
     spec = {"method": "dspark", "model": str(REPO / TINY_DRAFTER), "num_speculative_tokens": 7}
     t0 = time.time()
-    nospec = start_engine(str(REPO / TINY_TARGET), top, gpu_memory_utilization=BENCH_KV_FRACTION)
-    held = start_engine(str(REPO / TINY_TARGET), top, spec=spec, knobs={"persist_cost_model": False},
-                        gpu_memory_utilization=BENCH_KV_FRACTION)
+    nospec = start_engine(str(REPO / TINY_TARGET), top)
+    held = start_engine(str(REPO / TINY_TARGET), top, spec=spec, knobs={"persist_cost_model": False})
     rows = []
     try:
         held.collective_rpc(hold_dormant)

@@ -35,9 +35,6 @@ ARMS = {
 }
 
 
-# Every arm's engine stays up for the whole run (that is what lets rounds
-# interleave), so each gets a small slice of host memory for its KV cache.
-BENCH_KV_FRACTION = 0.06
 # Tokens a request can hold at once: prompt, new tokens, K lookahead slots.
 PROMPT_TOKENS, LOOKAHEAD = 48, 8
 
@@ -48,19 +45,18 @@ def start_arm(name, target, drafter, max_num_seqs, max_tokens):
     arm = ARMS[name]
     print(f"[bench] starting {name}", flush=True)
     if arm is None:
-        llm = start_engine(target, max_num_seqs, gpu_memory_utilization=BENCH_KV_FRACTION)
+        llm = start_engine(target, max_num_seqs)
     else:
         spec = {"method": "dspark", "model": drafter, "num_speculative_tokens": arm["k"]}
-        llm = start_engine(target, max_num_seqs, spec=spec, knobs=arm["knobs"],
-                           gpu_memory_utilization=BENCH_KV_FRACTION)
+        llm = start_engine(target, max_num_seqs, spec=spec, knobs=arm["knobs"])
     # Every arm must hold all its requests at once, or it runs at a lower
-    # concurrency than the others (a DSpark engine's KV share is smaller:
-    # the drafter's weights and KV come out of the same budget).
+    # concurrency than the others (a DSpark engine's share is smaller: the
+    # drafter's KV comes out of the same bytes).
     need = max_num_seqs * (PROMPT_TOKENS + max_tokens + LOOKAHEAD)
     have = kv_capacity_tokens(llm)
     if have < need:
         raise RuntimeError(f"{name}: KV cache holds {have} tokens, {max_num_seqs} requests need {need}; "
-                           "raise BENCH_KV_FRACTION")
+                           "raise vllm_dspark.benchmarking.KV_CACHE_BYTES")
     return llm
 
 

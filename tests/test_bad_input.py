@@ -7,13 +7,14 @@ import shutil
 import pytest
 
 from tests.conftest import DRAFTER_DIR, TARGET_DIR
+from vllm_dspark.benchmarking import KV_CACHE_BYTES
 
 
 def _llm(spec=None, additional=None):
     from vllm import LLM
 
     spec_config = {"method": "dspark", "model": str(DRAFTER_DIR), "num_speculative_tokens": 7, **(spec or {})}
-    return LLM(model=str(TARGET_DIR), dtype="bfloat16", max_model_len=512, gpu_memory_utilization=0.1,
+    return LLM(model=str(TARGET_DIR), dtype="bfloat16", max_model_len=512, kv_cache_memory_bytes=KV_CACHE_BYTES,
                enforce_eager=True, speculative_config=spec_config,
                additional_config={"dspark": additional} if additional is not None else {})
 

@@ -85,6 +85,18 @@ def test_ledger_matches_installed_vllm():
     check_hooks("config", "worker", "cpu_worker", "gpu_worker")
 
 
+def test_ledger_checks_runner_attributes_on_the_instance():
+    from types import SimpleNamespace
+
+    from vllm_dspark.compat.ledger import LEDGER, VllmHookDrift, check_instance
+
+    names = [h.symbol.rsplit(".", 1)[1] for h in LEDGER if h.scope == "runner"]
+    assert names  # the attributes the dormant steps switch
+    check_instance(SimpleNamespace(**dict.fromkeys(names)), "runner")
+    with pytest.raises(VllmHookDrift, match=names[-1]):
+        check_instance(SimpleNamespace(**dict.fromkeys(names[:-1])), "runner")
+
+
 def test_ledger_reports_every_drift_at_once():
     from vllm_dspark.compat.ledger import Hook, VllmHookDrift, check_hooks
 
@@ -108,7 +120,7 @@ def test_without_the_plugin_vllm_rejects_dspark_on_cpu():
     code = (
         "from vllm import LLM\n"
         "try:\n"
-        f"    LLM(model={str(REPO / 'examples/models/tiny-qwen3')!r}, gpu_memory_utilization=0.1,"
+        f"    LLM(model={str(REPO / 'examples/models/tiny-qwen3')!r}, kv_cache_memory_bytes=1 << 28,"
         f" enforce_eager=True, max_model_len=512, speculative_config={{'method': 'dspark', 'model':"
         f" {str(REPO / 'examples/models/tiny-qwen3-dspark')!r}, 'num_speculative_tokens': 7}})\n"
         "except Exception as e:\n"
@@ -216,6 +228,69 @@ def test_requests_admitted_while_dormant_get_no_context():
     assert runner.dspark.snapshot()["contextless_requests"] == 2
     runner.dspark.dormant = False
     assert runner._admit(step([], finished=["b", "d"]), ["c"]) == 1 and not runner._contextless
+
+
+def test_dormant_steps_run_without_speculation_and_leave_no_context():
+    """While dormant, a step runs as vLLM's runner runs without speculation
+    (no spec config, no aux outputs, the target's aux layers cleared); every
+    request in it loses drafter context; the skip rule still runs; and the
+    first step after dormancy restores all three."""
+    from types import SimpleNamespace
+    from unittest import mock
+
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from vllm_dspark.config import DSparkKnobs
+    from vllm_dspark.controller.controller import DSparkController
+    from vllm_dspark.runner import DSparkRunnerMixin
+
+    class Model:
+        layers = (1, 3)
+
+        def set_aux_hidden_state_layers(self, layers):
+            self.layers = tuple(layers)
+
+        def get_eagle3_default_aux_hidden_state_layers(self):
+            return (9,)
+
+    class Runner(DSparkRunnerMixin, GPUModelRunner):
+        def _get_eagle3_aux_layers_from_config(self):
+            return (1, 3)
+
+    ran = []
+    with mock.patch.object(GPUModelRunner, "execute_model", lambda self, so: ran.append(
+                               (self.speculative_config, self.use_aux_hidden_state_outputs, self.model.layers))), \
+         mock.patch.object(GPUModelRunner, "sample_tokens", lambda self, g: None):
+        runner = object.__new__(Runner)
+        spec = object()
+        runner.speculative_config, runner._spec_config, runner.use_aux_hidden_state_outputs = spec, spec, True
+        runner.model, runner._plain, runner._plain_allowed, runner._plain_aux = Model(), False, True, True
+        runner._plain_step_output, runner._contextless, runner._dspark_draft = None, set(), None
+        runner.rejection_sampler = SimpleNamespace(last_outcome=None)
+        runner.input_batch = SimpleNamespace(req_ids=["a", "b"])
+        runner.dspark = DSparkController(DSparkKnobs(persist_cost_model=False), block_len=4)
+        rules = []
+        runner.dspark.should_skip_drafting = lambda n, caps, draftable: rules.append((n, draftable())) or True
+
+        def step(new=(), finished=(), spec_tokens=None):
+            so = SimpleNamespace(scheduled_new_reqs=[SimpleNamespace(req_id=r) for r in new],
+                                 finished_req_ids=set(finished), scheduled_spec_decode_tokens=spec_tokens or {},
+                                 num_scheduled_tokens={"a": 1, "b": 1}, total_num_scheduled_tokens=2)
+            runner.execute_model(so)
+            runner.sample_tokens(None)
+
+        step(new=["a", "b"])  # not dormant: the speculative paths, context kept
+        runner.dspark.dormant = True
+        step(spec_tokens={"a": [5]})  # drafts scheduled before dormancy: still verified
+        assert ran[0] == ran[1] == (spec, True, (1, 3)) and not rules and not runner._contextless
+        step(new=["c"], finished=["x"])
+        assert ran[2] == (None, False, ())
+        assert runner._contextless == {"a", "b"} and rules == [(2, 0)]
+        assert runner.dspark.snapshot()["plain_steps"] == 1
+        assert runner.dspark.snapshot()["contextless_requests"] == 1
+        runner.dspark.dormant = False
+        step()
+        assert ran[3] == (spec, True, (1, 3)) and len(rules) == 1
 
 
 def test_skipped_step_queues_only_requests_with_context():

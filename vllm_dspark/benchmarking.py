@@ -45,9 +45,14 @@ def measure_offline(llm, prompts: list[str], concurrency: int, max_tokens: int,
 
 TINY_TARGET = "examples/models/tiny-qwen3"
 TINY_DRAFTER = "examples/models/tiny-qwen3-dspark"
-# Engine settings shared by the demo, the benchmarks and the e2e tests (CPU:
-# gpu_memory_utilization sizes the KV cache out of host memory).
-ENGINE_DEFAULTS = dict(dtype="bfloat16", max_model_len=512, gpu_memory_utilization=0.1,
+# Engine settings shared by the demo, the benchmarks and the e2e tests. The KV
+# cache is sized in bytes: vLLM's CPU worker otherwise takes
+# gpu_memory_utilization of NUMA node 0's memory less its own RSS, and node 0
+# differs between machines of this kind (9.5 GiB of 24 on some), so the same
+# fraction ran on one and failed to start on another. 256 MiB holds about
+# 100k tokens of the tiny pair, far more than any run here keeps in flight.
+KV_CACHE_BYTES = 256 << 20
+ENGINE_DEFAULTS = dict(dtype="bfloat16", max_model_len=512, kv_cache_memory_bytes=KV_CACHE_BYTES,
                        enforce_eager=True, seed=0, disable_log_stats=False)
 
 

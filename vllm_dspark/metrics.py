@@ -15,6 +15,7 @@ Exported (all prefixed vllm_dspark:):
   cost_model_error_percent      gauge    mean |predicted - measured| / measured
   contextless_requests_total    counter  requests admitted while dormant (no speculation)
   dormant                       gauge    1 while new requests get no drafter context
+  plain_steps_total             counter  steps run without vLLM's speculative paths (dormant)
   calibration_ece{mode,position,kind}  raw / calibrated, per draft position
 """
 
@@ -110,6 +111,8 @@ class DSparkCollector:
         yield step
         yield CounterMetricFamily(PREFIX + "contextless_requests", "Requests admitted while the controller "
                                   "was dormant: served without speculation.", value=snap["contextless_requests"])
+        yield CounterMetricFamily(PREFIX + "plain_steps", "Steps run as steps without speculation "
+                                  "(the controller was dormant).", value=snap.get("plain_steps", 0))
         yield GaugeMetricFamily(PREFIX + "dormant", "1 while requests are admitted without drafter context "
                                 "(drafting has not paid for a while), else 0.", value=float(snap["dormant"]))
         if snap.get("cost_model_mape") is not None:

@@ -9,11 +9,11 @@ really shrinks and vLLM's acceptance metrics count only what was verified.
 """
 
 import copy
-import functools
 import time
 from typing import NamedTuple
 
 import torch
+from vllm.config.compilation import CompilationMode, CUDAGraphMode
 from vllm.utils.torch_utils import async_tensor_h2d
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.worker import gpu_model_runner
@@ -22,6 +22,7 @@ from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from vllm_dspark import envs
 from vllm_dspark.log import get_logger
+from vllm_dspark.compat.ledger import check_instance
 from vllm_dspark.compat.patches import rebound
 from vllm_dspark.config import parse_knobs
 from vllm_dspark.controller.controller import DSparkController
@@ -57,6 +58,19 @@ class DSparkRunnerMixin:
         self._dspark_draft = (0.0, 0, 0.0, 0.0)
         self._dspark_snapshots = SnapshotWriter(
             snapshot_dir(vllm_config.instance_id) if rank == 0 else None, rank, self.dspark.snapshot)
+        # Steps while the controller is dormant run as steps without
+        # speculation (see _set_plain): not for hybrid targets (their state
+        # tracking reads the speculative config) nor with CUDA graphs (captured
+        # with it); the target's aux outputs go too only where it runs eagerly
+        # (a compiled forward keeps the outputs it was traced with).
+        check_instance(self, "runner")
+        compilation = vllm_config.compilation_config
+        self._plain = False
+        self._plain_allowed = (not vllm_config.model_config.is_hybrid
+                               and compilation.cudagraph_mode == CUDAGraphMode.NONE)
+        self._plain_aux = compilation.mode == CompilationMode.NONE
+        self._spec_config = self.speculative_config
+        self._plain_step_output = None
 
     def _get_eagle3_aux_layers_from_config(self):
         # The V1 helper reads only DFlash/EAGLE keys; vLLM's V2 helper also reads
@@ -86,12 +100,50 @@ class DSparkRunnerMixin:
         self.dspark.step_started(scheduler_output)
         if self.rejection_sampler.last_outcome is not None:  # (nn.Module setattr is slow)
             self.rejection_sampler.last_outcome = None
+        plain = (self._plain_allowed and self.dspark.dormant
+                 and not scheduler_output.scheduled_spec_decode_tokens)
+        if plain != self._plain:
+            self._set_plain(plain)
+        self._plain_step_output = scheduler_output if plain else None
         return super().execute_model(scheduler_output, *args, **kwargs)
+
+    def _set_plain(self, on: bool) -> None:
+        """Run the coming steps as vLLM runs them without speculation (on), or
+        with it again. While the controller is dormant no step drafts, and
+        vLLM's speculative paths (verify metadata, the drafter's attention
+        metadata and hook, the target's aux hidden states) were most of what a
+        dormant DSpark step cost over a step without speculation. Such a step
+        gives the drafter no context: every request in it loses its context
+        (_after_plain_step)."""
+        self._plain = on
+        self.speculative_config = None if on else self._spec_config
+        if self._plain_aux:
+            self.use_aux_hidden_state_outputs = not on
+            layers = () if on else (self._get_eagle3_aux_layers_from_config()
+                                    or self.model.get_eagle3_default_aux_hidden_state_layers())
+            self.model.set_aux_hidden_state_layers(layers)
+
+    def _after_plain_step(self, scheduler_output) -> None:
+        """Bookkeeping of a step run without speculation: no request in it
+        keeps drafter context, and the skip rule still runs (it is what ends
+        dormancy)."""
+        req_ids = self.input_batch.req_ids
+        contextless = self._contextless
+        if scheduler_output.finished_req_ids:
+            contextless.difference_update(scheduler_output.finished_req_ids)
+        if scheduler_output.scheduled_new_reqs:
+            self.dspark.admitted_without_context(len(scheduler_output.scheduled_new_reqs))
+        contextless.update(req_ids)
+        self.dspark.totals["plain_steps"] += 1
+        self.dspark.should_skip_drafting(len(req_ids), None, _no_context)
 
     def sample_tokens(self, *args, **kwargs):
         self._dspark_draft = (0.0, 0, 0.0, 0.0)
+        plain_step, self._plain_step_output = self._plain_step_output, None
         out = super().sample_tokens(*args, **kwargs)
-        if isinstance(out, ModelRunnerOutput):
+        if plain_step is not None:
+            self._after_plain_step(plain_step)
+        elif isinstance(out, ModelRunnerOutput):
             # The drafts travel with the output (DSparkScheduler applies them),
             # saving the engine core's take_draft_token_ids round trip. On a
             # copy: vLLM reuses some output objects. All empty (drafter
@@ -128,8 +180,8 @@ class DSparkRunnerMixin:
         outcome = self.rejection_sampler.last_outcome
         if outcome is not None:
             self.dspark.verified(req_ids, *outcome)
-        caps = functools.cache(lambda: self._request_caps(req_ids, outcome))
-        draftable = functools.cache(lambda: self._admit(scheduler_output, req_ids))
+        caps = _Once(lambda: self._request_caps(req_ids, outcome))
+        draftable = _Once(lambda: self._admit(scheduler_output, req_ids))
         if self.dspark.should_skip_drafting(len(req_ids), caps, draftable):
             # Speculation does not pay at this load: no block, no drafts; the
             # drafter still takes in this step's tokens as context (queued),
@@ -208,6 +260,26 @@ def _only_requests(step: tuple, keep: list[bool]) -> tuple:
         rows = rows.to(positions.device)
     return ([h[rows] for h in aux], positions[rows], slots[rows],
             [r for r, k in zip(req_ids, keep) if k], [c for c, k in zip(counts, keep) if k])
+
+
+class _Once:
+    """A call computed on first use, then remembered (functools.cache builds
+    a wrapper per instance, dearer than the two calls a step makes)."""
+
+    __slots__ = ("_fn", "_value")
+    _UNSET = object()
+
+    def __init__(self, fn):
+        self._fn, self._value = fn, _Once._UNSET
+
+    def __call__(self):
+        if self._value is _Once._UNSET:
+            self._value = self._fn()
+        return self._value
+
+
+def _no_context() -> int:
+    return 0
 
 
 class _WantedContext:

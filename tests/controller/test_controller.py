@@ -346,26 +346,35 @@ def test_dormant_after_a_long_skip_until_drafting_pays(monkeypatch):
 
 
 def test_dormancy_ends_only_where_drafting_pays_beyond_the_cost_models_error(monkeypatch):
-    """With the load gone, drafting one block saves about 16.5 ms against
-    3.5 ms of drafting and verifying (net 4.7x its cost). Checks count
-    toward ending dormancy only where the net exceeds the models' recent
-    mean relative error times that cost: not at 500% error, yes at 100%."""
+    """Dormant at 64 requests; then 8 are coming and drafting is cheap (re-
+    pinned: 0.3 ms a block), so drafting pays 2-5x what drafting and
+    verifying cost. Checks count toward ending dormancy only where the net
+    exceeds the models' recent mean relative error times that cost: not at
+    500% error, yes at 100%. Checks with fewer than 8 requests coming count
+    whatever the error (nothing drafts while dormant, so a far-off model must
+    not hold a light load there)."""
     from vllm_dspark.controller import controller as cc
+    from vllm_dspark.controller.cost_curve import CostCurve
+    from vllm_dspark.controller.cost_model import CostParams
 
     monkeypatch.setattr(cc, "PROBE_LOSS_BUDGET", 1e-9)
     ends = []
-    for error in (5.0, 1.0):
+    for running, error in ((8, 5.0), (8, 1.0), (7, 5.0)):
         ctl = _skip_rule_ctl(dormant_after_steps=16)
         for _ in range(17):
             _start(ctl, waiting=0, running=64)
             ctl.should_skip_drafting(1)
         assert ctl.dormant
+        linear = CostParams(5e-3, 1e-4, 1e-4)
+        ctl.pin_costs(CostCurve("cheap drafts", spec=linear, plain=linear, draft=CostParams(3e-4, 1e-5, 1e-6)), "t")
         ctl._step_errors.extend([error] * 10)
+        checks = []
         for _ in range(4 * cc.DORMANT_RECHECK_EVERY):
-            _start(ctl, waiting=0)
+            _start(ctl, waiting=0, running=running)
             ctl.should_skip_drafting(1, caps=lambda: [0], draftable=lambda: 0)
-        ends.append(not ctl.dormant)
-    assert ends == [False, True]
+            checks.append(ctl.dormant)
+        ends.append(checks.index(False) if False in checks else None)
+    assert ends[0] is None and ends[1] is not None and ends[2] is not None
 
 
 def test_dormant_engine_still_probes(monkeypatch):

@@ -267,6 +267,39 @@ LEDGER: tuple[Hook, ...] = (
         "vLLM's CPU expand_batch_to_tokens is fixed", ("sampler", "spec_config", "device"),
     ),
     Hook(
+        "vllm.v1.worker.gpu_model_runner.GPUModelRunner.speculative_config", "rebind",
+        "Set to None (on the runner only) while the controller is dormant, so those "
+        "steps take vLLM's own paths without speculation: no verify or drafter "
+        "metadata, no drafter hook. They were most of a dormant step's cost over a "
+        "step without speculation.",
+        "the runner's spec config, between two steps", _UPSTREAM, None, scope="runner",
+    ),
+    Hook(
+        "vllm.v1.worker.gpu_model_runner.GPUModelRunner.use_aux_hidden_state_outputs", "rebind",
+        "Off with the target's aux layers while dormant (eager targets only): no "
+        "step then needs the drafter's features.",
+        "the flag, between two steps", _UPSTREAM, None, scope="runner",
+    ),
+    Hook(
+        "vllm.model_executor.models.interfaces.SupportsEagle3.set_aux_hidden_state_layers", "call",
+        "Clears the target's aux layers while dormant and sets them back after.",
+        "-", "-", ("self", "layers"),
+    ),
+    Hook(
+        "vllm.model_executor.models.interfaces.SupportsEagle3.get_eagle3_default_aux_hidden_state_layers",
+        "call", "The target's aux layers when the checkpoint names none (as vLLM's setup).",
+        "-", "-", ("self",),
+    ),
+    Hook(
+        "vllm.config.compilation.CUDAGraphMode", "call",
+        "Dormant steps run without speculation only where no CUDA graph was captured with it.",
+        "-", "-", None,
+    ),
+    Hook(
+        "vllm.config.compilation.CompilationMode", "call",
+        "The target's aux outputs are switched off only where it runs eagerly.", "-", "-", None,
+    ),
+    Hook(
         "vllm.config.vllm.VllmConfig.instance_id", "call",
         "Names the metrics snapshot directory that the worker (which receives the "
         "serving process's config) writes and the serving process's collector reads.",
@@ -318,6 +351,15 @@ def check_hooks(*scopes: str, ledger: tuple[Hook, ...] = LEDGER) -> None:
             "vllm_dspark does not match the installed vLLM:\n  - " + "\n  - ".join(problems)
             + "\nInstall the pinned vLLM (see vllm_dspark/version.py) or set VLLM_DSPARK_ENABLED=0."
         )
+
+
+def check_instance(obj, scope: str, ledger: tuple[Hook, ...] = LEDGER) -> None:
+    """The instance attributes in ``scope`` (set in constructors, so not
+    resolvable on the class) exist on ``obj``."""
+    missing = [h.symbol for h in ledger if h.scope == scope and not hasattr(obj, h.symbol.rsplit(".", 1)[1])]
+    if missing:
+        raise VllmHookDrift("vllm_dspark does not match the installed vLLM: missing " + ", ".join(missing)
+                            + ". Install the pinned vLLM (see vllm_dspark/version.py) or set VLLM_DSPARK_ENABLED=0.")
 
 
 def markdown_table(ledger: tuple[Hook, ...] = LEDGER) -> str:

@@ -157,7 +157,7 @@ class DSparkController:
         self.totals = {"steps": 0, "budget_tokens": 0, "length_hist": [0] * (block_len + 1),
                        "depth_hist": [0] * (block_len + 1),
                        "skipped_steps": 0, "verified_blocks": 0, "accepted_tokens": 0,
-                       "contextless_requests": 0}
+                       "contextless_requests": 0, "plain_steps": 0}
         # Recent blocks for the skip rule: mean calibrated survival per position
         # (the mean of the products, not the product of the means: confidences
         # along a block are correlated, and the latter undercounts the gain).
@@ -510,7 +510,11 @@ class DSparkController:
             # Ending it must pay beyond the cost models' recent error: it
             # costs what no model sees (every new request's context queued
             # and written again), and a rule near break-even flips on noise.
-            sure = net > self._model_error() * spend
+            # A check below the load dormancy begins at counts whatever the
+            # models say: nothing drafts while dormant (the runner's steps then
+            # give the drafter no context), so a model that is far off (a
+            # pinned curve from another machine) must not hold a light load.
+            sure = net > self._model_error() * spend or self._coming(num_reqs) < DORMANT_MIN_REQS
             self._paying_checks = self._paying_checks + 1 if sure else 0
             self.dormant = self._paying_checks < DORMANT_EXIT_CHECKS
         else:
@@ -630,6 +634,7 @@ class DSparkController:
             "length_hist": list(self.totals["length_hist"]),
             "skipped_steps": self.totals["skipped_steps"],
             "contextless_requests": self.totals["contextless_requests"],
+            "plain_steps": self.totals["plain_steps"],
             "dormant": self.dormant,
             "acceptance_ratio": self.acceptance_ratio(),
             "verified_blocks": self.totals["verified_blocks"],
