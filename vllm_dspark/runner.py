@@ -58,12 +58,12 @@ class DSparkRunnerMixin:
         self._dspark_draft = (0.0, 0, 0.0, 0.0)
         self._dspark_snapshots = SnapshotWriter(
             snapshot_dir(vllm_config.instance_id) if rank == 0 else None, rank, self.dspark.snapshot)
+        check_instance(self, "runner")  # the attributes _set_plain switches
         # Steps while the controller is dormant run as steps without
         # speculation (see _set_plain): not for hybrid targets (their state
         # tracking reads the speculative config) nor with CUDA graphs (captured
         # with it); the target's aux outputs go too only where it runs eagerly
         # (a compiled forward keeps the outputs it was traced with).
-        check_instance(self, "runner")
         compilation = vllm_config.compilation_config
         self._plain = False
         self._plain_allowed = (not vllm_config.model_config.is_hybrid
