@@ -526,8 +526,11 @@ class DSparkController:
         contexts = num_reqs if draftable is None else draftable()
         if net > 0 and caps is not None:
             # Caps only take candidates away, so they are read (a pass over
-            # every request) only when drafting pays without them.
-            net, self.depth, _ = saved(level_counts(caps(), self.k))
+            # every request) only when drafting pays without them, and
+            # change the verdict only where one binds.
+            counts = level_counts(caps(), self.k)
+            if counts[-1] < num_reqs:
+                net, self.depth, _ = saved(counts)
         pays = net > 0
         self._since_skip += 1
         # Drafting is judged against the plain step, and no other model can
