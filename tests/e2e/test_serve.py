@@ -14,6 +14,7 @@ import requests
 
 from tests.conftest import TARGET_DIR
 from tests.e2e.conftest import IDENTITY_TOKENS, TEST_DTYPE, dspark_config
+from vllm_dspark.benchmarking import KV_CACHE_BYTES
 
 pytestmark = pytest.mark.e2e
 STARTUP_TIMEOUT_S = 300
@@ -32,7 +33,7 @@ def server(nospec_reference, tmp_path_factory):
     cmd = [str(Path(sys.executable).parent / "vllm"), "serve", str(TARGET_DIR),
            "--speculative-config", json.dumps(dspark_config(7)),
            "--host", "127.0.0.1", "--port", str(port), "--dtype", TEST_DTYPE,
-           "--max-model-len", "512", "--max-num-seqs", "16", "--gpu-memory-utilization", "0.1",
+           "--max-model-len", "512", "--max-num-seqs", "16", "--kv-cache-memory-bytes", str(KV_CACHE_BYTES),
            "--enforce-eager", "--seed", "0"]
     with open(log, "w") as fh:
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=dict(os.environ))
@@ -78,7 +79,7 @@ def test_serve_greedy_identical(server, identity_prompts, nospec_reference):
     for name in ("vllm_dspark:verify_budget_tokens_total", "vllm_dspark:verify_length_bucket",
                  'vllm_dspark:step_time_seconds{kind="predicted"}', "vllm_dspark:cost_model_error_percent",
                  "vllm_dspark:calibration_ece", "vllm_dspark:contextless_requests_total",
-                 "vllm_dspark:dormant", "vllm_dspark:draft_depth_bucket"):
+                 "vllm_dspark:dormant", "vllm_dspark:plain_steps_total", "vllm_dspark:draft_depth_bucket"):
         assert name in metrics, name
     total = [float(line.split()[-1]) for line in metrics.splitlines()
              if line.startswith("vllm_dspark:verify_budget_tokens_total")]
