@@ -1,13 +1,13 @@
 """What a DSpark engine that never drafts costs against no speculation.
 
-    python benchmarks/bench_dormant_floor.py                 # c = 16 and 64, 40 pairs each, ~12 min
+    python benchmarks/bench_dormant_floor.py                 # c = 16 and 64, 40 pairs each, ~6 min
     python benchmarks/bench_dormant_floor.py --concurrency 16 --pairs 20
 
 Under sustained load the adaptive controller goes dormant and drafts almost
 nothing, so no-spec is the arm it is measured against, and what it can reach
 there is bounded by this floor: the same engine, held dormant from the start
-(the skip rule still runs, the one request kept for probes still queues its
-context, but no step drafts). Head to head against no-spec, as in
+(every step runs as a step without speculation and the skip rule still runs,
+but no step drafts). Head to head against no-spec, as in
 bench_dspark.py. Writes JSON (machine, versions, every pair) and a PNG.
 
 Holding the engine dormant patches its worker through collective_rpc with a

@@ -117,10 +117,12 @@ def test_readme_lists_every_ledger_entry():
 
 def test_without_the_plugin_vllm_rejects_dspark_on_cpu():
     """What the plugin changes: the same LLM() call fails in stock vLLM."""
+    from vllm_dspark.benchmarking import KV_CACHE_BYTES
+
     code = (
         "from vllm import LLM\n"
         "try:\n"
-        f"    LLM(model={str(REPO / 'examples/models/tiny-qwen3')!r}, kv_cache_memory_bytes=1 << 28,"
+        f"    LLM(model={str(REPO / 'examples/models/tiny-qwen3')!r}, kv_cache_memory_bytes={KV_CACHE_BYTES},"
         f" enforce_eager=True, max_model_len=512, speculative_config={{'method': 'dspark', 'model':"
         f" {str(REPO / 'examples/models/tiny-qwen3-dspark')!r}, 'num_speculative_tokens': 7}})\n"
         "except Exception as e:\n"

@@ -112,7 +112,7 @@ class DSparkCollector:
         yield CounterMetricFamily(PREFIX + "contextless_requests", "Requests admitted while the controller "
                                   "was dormant: served without speculation.", value=snap["contextless_requests"])
         yield CounterMetricFamily(PREFIX + "plain_steps", "Steps run as steps without speculation "
-                                  "(the controller was dormant).", value=snap.get("plain_steps", 0))
+                                  "(the controller was dormant).", value=snap["plain_steps"])
         yield GaugeMetricFamily(PREFIX + "dormant", "1 while requests are admitted without drafter context "
                                 "(drafting has not paid for a while), else 0.", value=float(snap["dormant"]))
         if snap.get("cost_model_mape") is not None:

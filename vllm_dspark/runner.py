@@ -128,13 +128,11 @@ class DSparkRunnerMixin:
         keeps drafter context, and the skip rule still runs (it is what ends
         dormancy)."""
         req_ids = self.input_batch.req_ids
-        contextless = self._contextless
-        if scheduler_output.finished_req_ids:
-            contextless.difference_update(scheduler_output.finished_req_ids)
+        self._forget_finished(scheduler_output)
         if scheduler_output.scheduled_new_reqs:
             self.dspark.admitted_without_context(len(scheduler_output.scheduled_new_reqs))
-        contextless.update(req_ids)
-        self.dspark.totals["plain_steps"] += 1
+        self._contextless.update(req_ids)
+        self.dspark.ran_plain_step()
         self.dspark.should_skip_drafting(len(req_ids), None, _no_context)
 
     def sample_tokens(self, *args, **kwargs):
@@ -219,9 +217,8 @@ class DSparkRunnerMixin:
         one while no other request here has context (probes need one: they
         are what tells when drafting pays again). Returns how many of
         ``req_ids`` have context."""
+        self._forget_finished(scheduler_output)
         contextless = self._contextless
-        if contextless and scheduler_output.finished_req_ids:
-            contextless.difference_update(scheduler_output.finished_req_ids)
         if self.dspark.dormant and scheduler_output.scheduled_new_reqs:
             new = [r.req_id for r in scheduler_output.scheduled_new_reqs]
             fresh = set(new)
@@ -230,6 +227,11 @@ class DSparkRunnerMixin:
             contextless.update(new)
             self.dspark.admitted_without_context(len(new))
         return len(req_ids) - sum(rid in contextless for rid in req_ids) if contextless else len(req_ids)
+
+    def _forget_finished(self, scheduler_output) -> None:
+        """Requests that finished hold no context to track."""
+        if self._contextless and scheduler_output.finished_req_ids:
+            self._contextless.difference_update(scheduler_output.finished_req_ids)
 
     def _request_caps(self, req_ids: list[str], outcome) -> list[int]:
         """Each request's verify cap: its dspark_max_verify, and the tokens

@@ -291,6 +291,11 @@ LEDGER: tuple[Hook, ...] = (
         "-", "-", ("self",),
     ),
     Hook(
+        "vllm.config.model.ModelConfig.is_hybrid", "call",
+        "Dormant steps keep the speculative paths on hybrid targets, whose state "
+        "tracking reads the speculative config.", "-", "-", None,
+    ),
+    Hook(
         "vllm.config.compilation.CUDAGraphMode", "call",
         "Dormant steps run without speculation only where no CUDA graph was captured with it.",
         "-", "-", None,

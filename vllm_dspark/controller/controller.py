@@ -582,6 +582,10 @@ class DSparkController:
         """``n`` requests were admitted while dormant (metrics)."""
         self.totals["contextless_requests"] += n
 
+    def ran_plain_step(self) -> None:
+        """A step ran without speculation's paths, while dormant (metrics)."""
+        self.totals["plain_steps"] += 1
+
     def _trace_blocks(self, pending, req_ids, num_verified, accepted) -> None:
         rows_of, raw, greedy, cal, _ = pending
         raw_rows, cal_rows = raw.tolist(), cal.float().cpu().tolist()
