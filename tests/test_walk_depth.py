@@ -63,3 +63,45 @@ def test_shallow_walk_is_the_full_walk_cut(temps):
         expected = model.model.confidence_head(hidden[:, depth:], model.markov_embed(tokens[:, depth - 1:K - 1]))
         assert torch.allclose(conf[:, depth:], expected, atol=1e-5)
         assert proposer.last_walk_seconds > 0
+
+
+def _with_markov_head(model, scale=1.0, quantized=False):
+    """``model`` with a vLLM-shaped Markov head whose bias is ``markov_bias``'s."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+    method = object() if quantized else UnquantizedEmbeddingMethod()
+    w2 = SimpleNamespace(weight=model.bias.t().contiguous(), tp_size=1, quant_method=method)
+    model.model.markov_head = SimpleNamespace(markov_w2=w2)
+    model.logits_processor = SimpleNamespace(scale=scale, soft_cap=None, logits_as_input=False)
+    return model
+
+
+@pytest.mark.parametrize("temps", [[0.0, 0.0, 0.0], [1.0, 0.0, 0.7]])
+def test_fused_markov_bias_drafts_what_markov_bias_drafts(temps):
+    """Where vLLM's markov_bias is a plain product with its weight, the walk
+    adds it in one addmm: same tokens, probabilities and confidences (to
+    float32 rounding) as calling markov_bias; anything else (a logit scale,
+    a quantized head) keeps markov_bias."""
+    plain = object.__new__(DSparkProposer)
+    plain.model = _FakeDSpark()
+    fused = object.__new__(DSparkProposer)
+    fused.model = _with_markov_head(_FakeDSpark())
+    fused._markov_key = None
+    assert fused._markov_matrix(V) is not None
+    hidden = torch.randn(3, K, H, generator=torch.Generator().manual_seed(1))
+    anchors = torch.tensor([1, 5, 9])
+    md = _sampling_metadata(temps)
+    torch.manual_seed(2)
+    want = plain._sample_block(hidden, anchors, md)
+    torch.manual_seed(2)
+    got = fused._sample_block(hidden, anchors, md)
+    assert torch.equal(got[0], want[0])
+    assert (want[1] is None) == (got[1] is None)
+    if want[1] is not None:
+        assert torch.allclose(got[1], want[1], atol=1e-6)
+    assert torch.allclose(got[2], want[2], atol=1e-5)
+    for kwargs in ({"scale": 2.0}, {"quantized": True}):
+        other = object.__new__(DSparkProposer)
+        other.model = _with_markov_head(_FakeDSpark(), **kwargs)
+        other._markov_key = None
+        assert other._markov_matrix(V) is None

@@ -177,10 +177,10 @@ class DSparkController:
         self._choices = 0
         self._rng = torch.Generator().manual_seed(0)
         self._step_verifies = False
-        # The last choice: (req id -> row, raw confidence logits [B, K], greedy
+        # The last choice: (req id -> row, raw confidence logits [B][K], greedy
         # per row, calibrated confidences [B, K] when tracing, each row's slot
         # in the survival window)
-        self._pending: tuple[dict[str, int], torch.Tensor, list[bool], torch.Tensor | None,
+        self._pending: tuple[dict[str, int], list[list[float]], list[bool], torch.Tensor | None,
                              list[int | None]] | None = None
         self._t_start: float | None = None
         self._t_end_prev: float | None = None
@@ -306,7 +306,7 @@ class DSparkController:
         self._window.changed()
         for mode, (rows, ver, acc) in picks.items():
             if rows:
-                self.calibrators[mode].observe(raw[rows], torch.tensor(ver), torch.tensor(acc))
+                self.calibrators[mode].observe([raw[i] for i in rows], ver, acc)
 
     # -- the choice -------------------------------------------------------
     def choose(self, req_ids: list[str], conf_logits: torch.Tensor, caps: list[int],
@@ -342,7 +342,8 @@ class DSparkController:
         out = lengths.tolist()
         # Only positions before a request's verify length get an outcome, and
         # the calibrator reads no further (verified caps what it observes).
-        self._pending = ({rid: i for i, rid in enumerate(req_ids)}, raw, greedy,
+        # Rows of floats: the calibration queues them.
+        self._pending = ({rid: i for i, rid in enumerate(req_ids)}, raw.tolist(), greedy,
                          conf if self._trace is not None else None, slots)
         self._record(out)
         return out
@@ -588,11 +589,11 @@ class DSparkController:
 
     def _trace_blocks(self, pending, req_ids, num_verified, accepted) -> None:
         rows_of, raw, greedy, cal, _ = pending
-        raw_rows, cal_rows = raw.tolist(), cal.float().cpu().tolist()
+        cal_rows = cal.float().cpu().tolist()
         for rid, n, a in zip(req_ids, num_verified, accepted):
             i = rows_of.get(rid)
             if i is not None and n:
-                self._trace.block(self.steps, rid, greedy[i], raw_rows[i], cal_rows[i], n, a)
+                self._trace.block(self.steps, rid, greedy[i], raw[i], cal_rows[i], n, a)
 
     def _trace_costs(self) -> dict:
         # A trace's drafting cost is a whole K-deep block's (the simulator drafts those).

@@ -106,10 +106,13 @@ class OnlineCostModel:
         self.errors.append(rel_err)
         if self.pinned or (self.observations > 20 and seconds > OUTLIER_RATIO * pred):
             return rel_err
-        x = [f / s for f, s in zip((1.0, num_reqs, num_tokens), FEATURE_SCALE)]
+        x = (1.0 / FEATURE_SCALE[0], num_reqs / FEATURE_SCALE[1], num_tokens / FEATURE_SCALE[2])
         lam = self.forgetting
-        self.xtx = [[lam * self.xtx[i][j] + x[i] * x[j] for j in range(3)] for i in range(3)]
-        self.xty = [lam * self.xty[i] + x[i] * seconds for i in range(3)]
+        for row, xi in zip(self.xtx, x):  # in place: three of these run every step
+            row[0] = lam * row[0] + xi * x[0]
+            row[1] = lam * row[1] + xi * x[1]
+            row[2] = lam * row[2] + xi * x[2]
+        self.xty = [lam * y + xi * seconds for y, xi in zip(self.xty, x)]
         self.observations += 1
         if self.observations <= REFIT_WARMUP or self.observations % REFIT_EVERY == 0:
             self._solve()

@@ -38,11 +38,15 @@ HALF_LIFE_STEPS = 128.0
 class SurvivalWindow:
     def __init__(self, block_len: int, window: int = WINDOW):
         self.k = block_len
+        self.size = window
+        # Rows of confidences as one tensor (a step writes its rows with one or
+        # two slice copies); the rest per slot in plain lists: a step sets a
+        # few entries, which as tensor writes cost more than the estimate.
         self._raw = torch.zeros(window, block_len)
-        self._greedy = torch.zeros(window, dtype=torch.bool)
-        self._verified = torch.zeros(window, dtype=torch.long)
-        self._accepted = torch.zeros(window, dtype=torch.long)
-        self._step = torch.zeros(window, dtype=torch.float64)  # engine step each block was drafted at
+        self._greedy = [False] * window
+        self._verified = [0] * window
+        self._accepted = [0] * window
+        self._step = [0.0] * window  # engine step each block was drafted at
         self._count = 0
         self._next = 0
         self._cached: tuple[list[float], float] | None = None
@@ -50,19 +54,22 @@ class SurvivalWindow:
         self._age = 0
 
     def add(self, raw: torch.Tensor, greedy: list[bool], step: int = 0) -> list[int | None]:
-        """Keep engine step ``step``'s blocks (raw confidence logits [B, K] on
-        CPU); returns each row's slot for ``outcome`` (None for rows beyond
-        the window)."""
-        size = self._raw.shape[0]
+        """Keep engine step ``step``'s blocks (raw confidence logits [B, K]
+        on CPU); returns each row's slot for ``outcome`` (None for rows
+        beyond the window)."""
+        size = self.size
         n = raw.shape[0]
         kept = min(n, size)
-        slots = [(self._next + i) % size for i in range(kept)]
-        index = torch.tensor(slots)
-        self._raw[index] = raw[n - kept:].float()
-        self._greedy[index] = torch.tensor(greedy[n - kept:], dtype=torch.bool)
-        self._verified[index] = 0
-        self._accepted[index] = 0
-        self._step[index] = float(step)
+        start = self._next
+        head = min(kept, size - start)  # rows before the ring wraps
+        self._raw[start:start + head] = raw[n - kept:n - kept + head]
+        if head < kept:
+            self._raw[:kept - head] = raw[n - kept + head:]
+        slots = [(start + i) % size for i in range(kept)]
+        for slot, g in zip(slots, greedy[n - kept:]):
+            self._greedy[slot] = g
+            self._verified[slot] = self._accepted[slot] = 0
+            self._step[slot] = float(step)
         self._next = (self._next + kept) % size
         self._count = min(size, self._count + kept)
         self._stale = True
@@ -70,10 +77,10 @@ class SurvivalWindow:
 
     def outcome(self, slots: list[int], verified: list[int], accepted: list[int]) -> None:
         """What verification did with the blocks in ``slots``."""
+        for slot, v, a in zip(slots, verified, accepted):
+            self._verified[slot] = v
+            self._accepted[slot] = a
         if slots:
-            index = torch.tensor(slots)
-            self._verified[index] = torch.tensor(verified)
-            self._accepted[index] = torch.tensor(accepted)
             self._stale = True
 
     def changed(self) -> None:
@@ -94,12 +101,12 @@ class SurvivalWindow:
             return None
         if self._cached is None or (self._stale and self._age >= REFRESH_EVERY):
             n = self._count
-            steps = self._step[:n]
+            steps = torch.tensor(self._step[:n], dtype=torch.float64)
             weight = torch.pow(0.5, (steps.max() - steps) / HALF_LIFE_STEPS).float()
-            surv = torch.cumprod(calibrate(self._raw[:n], self._greedy[:n].tolist()).float(), dim=1)
-            reached = torch.arange(self.k)[None, :] < self._verified[:n, None]
+            surv = torch.cumprod(calibrate(self._raw[:n], self._greedy[:n]).float(), dim=1)
+            reached = torch.arange(self.k)[None, :] < torch.tensor(self._verified[:n])[:, None]
             expected = float((weight[:, None] * surv * reached).sum())
-            accepted = float((weight * self._accepted[:n]).sum())
+            accepted = float((weight * torch.tensor(self._accepted[:n], dtype=torch.float32)).sum())
             ratio = min(max(accepted / expected, 0.5), 2.0) if expected >= MIN_EXPECTED else 1.0
             mean = (weight[:, None] * surv).sum(0) / weight.sum()
             self._cached = (mean.tolist(), ratio)

@@ -10,10 +10,11 @@ if TYPE_CHECKING:
     import torch
 
 
-def use_triton(t: "torch.Tensor") -> bool:
+def use_triton(t: "torch.Tensor", mode: str | None = None) -> bool:
+    """Run the kernel on ``t``? ``mode``: VLLM_DSPARK_OPS, if already read."""
     from vllm_dspark import envs
 
-    mode = envs.VLLM_DSPARK_OPS
+    mode = mode or envs.VLLM_DSPARK_OPS
     if mode != "auto":
         return mode == "triton"
     return t.is_cuda
@@ -57,9 +58,10 @@ def adaptive_lengths(conf, cap, base_cost, token_cost, max_step_time, max_tokens
     """[R] goodput-optimal verify lengths. See ops.reference.adaptive_lengths."""
     from vllm_dspark import envs
 
-    if use_triton(conf):
+    mode = envs.VLLM_DSPARK_OPS  # read once: this runs every step
+    if use_triton(conf, mode):
         from vllm_dspark.ops.adaptive import adaptive_lengths as impl
-    elif conf.numel() <= SCALAR_MAX_CANDIDATES and envs.VLLM_DSPARK_OPS == "auto":
+    elif conf.numel() <= SCALAR_MAX_CANDIDATES and mode == "auto":
         from vllm_dspark.ops.scalar import adaptive_lengths as impl
     else:
         from vllm_dspark.ops.reference import adaptive_lengths as impl

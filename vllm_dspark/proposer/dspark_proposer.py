@@ -58,6 +58,8 @@ class DSparkProposer(DFlashProposer):
         self.depth = self.block_len  # positions the Markov head walks on the next propose()
         self.last_walk_seconds = 0.0  # the last propose()'s Markov walk (its per-position loop)
         self.context_queue = ContextQueue(self._write_context)  # skipped steps' context
+        self._markov: torch.Tensor | None = None  # see _markov_matrix
+        self._markov_key: tuple | None = None
 
     def propose(
         self,
@@ -134,6 +136,32 @@ class DSparkProposer(DFlashProposer):
         """Fused target features -> K/V of every draft layer, into its KV cache."""
         self.model.precompute_and_store_context_kv(self.model.combine_hidden_states(features), positions, slots)
 
+    def _markov_matrix(self, vocab: int) -> torch.Tensor | None:
+        """The Markov bias's matrix, [r, vocab] float32, when vLLM's
+        markov_bias is the plain product with it (unquantized, one rank, no
+        logit scale or soft cap): the walk then adds the bias to the base
+        logits in one addmm, where markov_bias, the casts and the add took
+        about half of a walk position on CPU (a round of small ops per
+        position, whatever the batch). Else None: the walk calls markov_bias.
+        Made again whenever the weight changes (a reload)."""
+        head = getattr(getattr(self.model, "model", None), "markov_head", None)
+        w2 = getattr(head, "markov_w2", None)
+        weight = getattr(w2, "weight", None)
+        if weight is None:
+            return None
+        key = (weight.data_ptr(), weight._version, vocab)
+        if self._markov_key != key:
+            from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+            lp = getattr(self.model, "logits_processor", None)
+            plain = (lp is not None and getattr(lp, "scale", None) == 1.0 and getattr(lp, "soft_cap", 0) is None
+                     and not getattr(lp, "logits_as_input", True) and getattr(w2, "tp_size", 0) == 1
+                     and isinstance(getattr(w2, "quant_method", None), UnquantizedEmbeddingMethod)
+                     and weight.shape[0] >= vocab)
+            self._markov = weight[:vocab].float().t().contiguous() if plain else None
+            self._markov_key = key
+        return self._markov
+
     @torch.inference_mode()
     def _sample_block(self, hidden: torch.Tensor, anchors: torch.Tensor, sampling_metadata,
                       depth: int | None = None):
@@ -146,7 +174,8 @@ class DSparkProposer(DFlashProposer):
         the parallel stage's argmax and only their confidences are of use."""
         batch, k, h = hidden.shape
         depth = k if depth is None else max(1, min(depth, k))
-        base = self.model.compute_draft_logits(hidden.reshape(batch * k, h)).view(batch, k, -1)
+        base = self.model.compute_draft_logits(hidden.reshape(batch * k, h)).view(batch, k, -1).float()
+        markov = self._markov_matrix(base.shape[-1])
         params = RowParams.from_metadata(sampling_metadata, batch, hidden.device)
         sampled = params.any_random
         prev = anchors
@@ -159,7 +188,10 @@ class DSparkProposer(DFlashProposer):
         t0 = time.perf_counter()
         for i in range(depth):
             embed = self.model.markov_embed(prev)
-            logits = base[:, i].float() + self.model.markov_bias(embed).float()
+            if markov is not None:
+                logits = torch.addmm(base[:, i], embed.float(), markov)
+            else:
+                logits = base[:, i] + self.model.markov_bias(embed).float()
             token = logits.argmax(dim=-1)
             if sampled:
                 q = processed_probs(logits, params)
