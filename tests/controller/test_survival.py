@@ -77,3 +77,14 @@ def test_skip_rule_drafts_once_calibration_shows_drafting_pays():
     ctl.should_skip_drafting(1)
     mean, _ = ctl._window.last
     assert mean[0] == pytest.approx(learned, abs=0.02)
+
+
+def test_rows_wrap_around_the_ring(monkeypatch):
+    """A step whose rows run past the window's end writes the rest at its
+    start, over the oldest blocks, and their slots say so."""
+    monkeypatch.setattr(survival, "REFRESH_EVERY", 1)
+    w = SurvivalWindow(block_len=1, window=4)
+    assert w.add(torch.tensor([[0.1], [0.2], [0.3]]), [True] * 3) == [0, 1, 2]
+    assert w.add(torch.tensor([[0.5], [0.6], [0.7]]), [True] * 3) == [3, 0, 1]
+    mean, _ = w.estimate(lambda raw, greedy: raw.clone())  # survival = the raw value
+    assert mean == pytest.approx([(0.5 + 0.6 + 0.7 + 0.3) / 4])

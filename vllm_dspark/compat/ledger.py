@@ -227,6 +227,21 @@ LEDGER: tuple[Hook, ...] = (
         "Markov head: logit bias from that embedding.", "-", "-", ("self", "markov_embed"),
     ),
     Hook(
+        "vllm.model_executor.models.qwen3_dspark.DSparkMarkovHead", "call",
+        "Its markov_w2 weight: where markov_bias is a plain product with it, the walk adds the "
+        "bias to the base logits in one addmm (proposer's _markov_matrix).",
+        "markov_bias on that path (called otherwise)", "-", None,
+    ),
+    Hook(
+        "vllm.model_executor.layers.logits_processor.LogitsProcessor", "call",
+        "Its scale, soft_cap and logits_as_input say whether markov_bias is that plain product.",
+        "-", "-", None,
+    ),
+    Hook(
+        "vllm.model_executor.layers.vocab_parallel_embedding.UnquantizedEmbeddingMethod", "call",
+        "An unquantized markov_w2 (any other method keeps markov_bias).", "-", "-", None,
+    ),
+    Hook(
         "vllm.v1.spec_decode.dflash.DFlashProposer.build_per_group_and_layer_attn_metadata", "call",
         "Attention metadata for the query block's forward.", "-", "-", ("self", "cad"),
     ),
