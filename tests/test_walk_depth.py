@@ -100,6 +100,9 @@ def test_fused_markov_bias_drafts_what_markov_bias_drafts(temps):
     if want[1] is not None:
         assert torch.allclose(got[1], want[1], atol=1e-6)
     assert torch.allclose(got[2], want[2], atol=1e-5)
+    with torch.inference_mode():  # weights loaded under inference mode keep no version counter
+        fused.model.model.markov_head.markov_w2.weight = fused.model.bias.t().clone()
+    assert torch.equal(fused._markov_matrix(V), fused.model.bias)
     for kwargs in ({"scale": 2.0}, {"quantized": True}):
         other = object.__new__(DSparkProposer)
         other.model = _with_markov_head(_FakeDSpark(), **kwargs)

@@ -43,6 +43,15 @@ def _as_method(vllm_config, method: str):
     return view
 
 
+def _version(t: torch.Tensor) -> int:
+    """``t``'s in-place write counter; inference tensors keep none (a
+    weight made under inference mode is then keyed by its storage alone)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return -1
+
+
 class DSparkProposer(DFlashProposer):
     def __init__(self, vllm_config, device: torch.device, runner=None):
         # DFlashProposer.__init__ asserts method == "dflash"; its machinery is
@@ -149,7 +158,7 @@ class DSparkProposer(DFlashProposer):
         weight = getattr(w2, "weight", None)
         if weight is None:
             return None
-        key = (weight.data_ptr(), weight._version, vocab)
+        key = (weight.data_ptr(), _version(weight), vocab)
         if self._markov_key != key:
             from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
 
