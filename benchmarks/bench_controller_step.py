@@ -51,8 +51,9 @@ def run(policy: str, reqs: int, steps: int, seed: int = 0) -> dict:
     lengths = None
     times = []
     for _ in range(steps):
+        tokens = reqs + sum(lengths or ())  # this step verifies last step's lengths
         out = SimpleNamespace(num_scheduled_tokens=dict.fromkeys(ids, 1),
-                              total_num_scheduled_tokens=reqs + sum(lengths or ()),
+                              total_num_scheduled_tokens=tokens,
                               scheduled_spec_decode_tokens=dict.fromkeys(ids, [0]) if lengths else {},
                               scheduled_new_reqs=[], finished_req_ids=set())
         conf = torch.randn(reqs, K, generator=gen) + 1.5
@@ -66,8 +67,8 @@ def run(policy: str, reqs: int, steps: int, seed: int = 0) -> dict:
         skip = ctl.should_skip_drafting(reqs, lambda: caps, lambda: reqs)
         new = None if skip else ctl.choose(ids, conf, caps, greedy)
         times.append(time.perf_counter() - t0)
-        seconds, draft = _step_seconds(reqs, sum(lengths or ()), None if skip else ctl.depth)
-        ctl.record_step(reqs, reqs + sum(lengths or ()), bool(lengths), seconds, draft, 0 if skip else reqs,
+        seconds, draft = _step_seconds(reqs, tokens - reqs, None if skip else ctl.depth)
+        ctl.record_step(reqs, tokens, bool(lengths), seconds, draft, 0 if skip else reqs,
                         0.0 if skip else 1e-4 * ctl.depth, 0 if skip else ctl.depth)
         lengths = new
     tail = times[steps // 4:]  # past the cost models' warm-up
