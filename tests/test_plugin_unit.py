@@ -154,6 +154,33 @@ def test_post_step_round_trip_skipped_only_for_dspark_scheduler():
         assert executor.take_draft_token_ids.call_count == rpc_calls
 
 
+def test_replay_boundaries_memoized_once_and_unchanged(monkeypatch):
+    """DSparkScheduler installs a memo of vLLM's replay_boundaries that gives
+    vLLM's own answers (positional or keyword use_eagle, both branches) and
+    wraps once however often it is installed."""
+    from vllm.v1.core import kv_cache_coordinator as mod
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from vllm_dspark.compat.patches import memoize_replay_boundaries
+    from vllm_dspark.scheduler import DSparkScheduler
+
+    original = getattr(mod.replay_boundaries, "__wrapped__", mod.replay_boundaries)
+    monkeypatch.setattr(mod, "replay_boundaries", original)  # undone after the test
+    monkeypatch.setattr(Scheduler, "__init__", lambda self, *a, **k: None)
+    DSparkScheduler()
+    memo = mod.replay_boundaries
+    memoize_replay_boundaries()
+    DSparkScheduler()
+    assert mod.replay_boundaries is memo and memo is not original and memo.__wrapped__ is original
+    for n in range(1, 700, 7):
+        for block in (16, 128):
+            for eagle in (True, False):
+                expected = original(n, block, eagle)
+                for _ in range(2):  # a miss, then a hit (as vLLM calls it, keyword use_eagle)
+                    assert memo(n, block, use_eagle=eagle) == expected == memo(n, block, eagle)
+    assert memo.cache_info().hits > 0
+
+
 def test_draft_free_step_samples_the_rows_vllm_would():
     """A step without drafts gets no spec-decode metadata (plain sampling) and
     the same logits rows vLLM's own metadata would give; a step with drafts

@@ -127,13 +127,13 @@ class DSparkRunnerMixin:
         """Bookkeeping of a step run without speculation: no request in it
         keeps drafter context, and the skip rule still runs (it is what ends
         dormancy)."""
-        req_ids = self.input_batch.req_ids
+        scheduled = scheduler_output.num_scheduled_tokens  # this step's requests, by id
         self._forget_finished(scheduler_output)
         if scheduler_output.scheduled_new_reqs:
             self.dspark.admitted_without_context(len(scheduler_output.scheduled_new_reqs))
-        self._contextless.update(req_ids)
+        self._contextless.update(scheduled)
         self.dspark.ran_plain_step()
-        self.dspark.should_skip_drafting(len(req_ids), None, _no_context)
+        self.dspark.should_skip_drafting(len(scheduled), None, _no_context)
 
     def sample_tokens(self, *args, **kwargs):
         self._dspark_draft = (0.0, 0, 0.0, 0.0)

@@ -13,6 +13,7 @@ skips the round trip (compat/patches.py).
 
 from vllm.v1.core.sched.scheduler import Scheduler
 
+from vllm_dspark.compat.patches import memoize_replay_boundaries
 from vllm_dspark.controller.signals import ATTR, LoadSignals
 
 # ModelRunnerOutput attribute that carries the step's DraftTokenIds (or None).
@@ -22,6 +23,10 @@ DRAFTS_ATTR = "dspark_draft_token_ids"
 class DSparkScheduler(Scheduler):
     # Read by the EngineCore.post_step wrap: drafts come with the output.
     drafts_in_output = True
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        memoize_replay_boundaries()
 
     def schedule(self, *args, **kwargs):
         out = super().schedule(*args, **kwargs)

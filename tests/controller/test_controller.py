@@ -169,6 +169,33 @@ def test_engine_gap_is_charged_to_the_step_before_it(monkeypatch):
     assert seen == [(True, 0.014), (False, 0.005), (False, 0.006), (False, 0.006)]
 
 
+def test_dormant_plain_steps_train_the_models_one_in_every_few():
+    """While dormant, one plain step in DORMANT_RECORD_EVERY is recorded (the
+    others count as steps, untimed); otherwise, and on any step that verifies,
+    every step is."""
+    from types import SimpleNamespace
+
+    from vllm_dspark.controller import controller as cc
+
+    def run(ctl, steps, verifies=False):
+        recorded = []
+        ctl.record_step = lambda *a, **k: (recorded.append(a[2]), cc.DSparkController._count_step(ctl))
+        for _ in range(steps):
+            ctl.step_started(SimpleNamespace(num_scheduled_tokens={"a": 1}, total_num_scheduled_tokens=1,
+                                             scheduled_spec_decode_tokens={"a": [5]} if verifies else {},
+                                             scheduled_new_reqs=[]))
+            ctl.step_finished(0.0, 0)
+        return recorded
+
+    n = 10 * cc.DORMANT_RECORD_EVERY
+    awake, dormant, verifying = _ctl(), _ctl(), _ctl()
+    dormant.dormant = verifying.dormant = True
+    assert len(run(awake, n)) == n - 1  # the last step is recorded at the next start
+    assert len(run(dormant, n + 1)) == n // cc.DORMANT_RECORD_EVERY and dormant.steps == n + 1
+    assert run(verifying, n, verifies=True) == [True] * (n - 1)
+    assert cc.DORMANT_RECORD_EVERY > 1
+
+
 def test_plain_cost_at_an_unseen_batch_size_comes_from_the_verify_model():
     """Plain steps seen only at R=4 cannot tell t0 from t_req; at R=16 the
     plain cost is the verify-step model (which has seen R=16) minus the verify

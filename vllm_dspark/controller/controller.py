@@ -116,6 +116,10 @@ DORMANT_RECHECK_EVERY = 8
 # admitted with context and drafted until the skip share built up again
 # (at c=16, 92 of 352 requests, 133 drafting steps; adaptive 0.86x no-spec).
 DORMANT_EXIT_CHECKS = 2
+# While dormant, the cost models learn from one plain step in this many: such
+# steps are alike, and recording each (two model updates and the error window)
+# was a quarter of what a dormant step spent in the controller.
+DORMANT_RECORD_EVERY = 4
 
 
 @dataclass
@@ -173,6 +177,7 @@ class DSparkController:
         # requests admitted meanwhile get no drafter context (the runner).
         self.dormant = False
         self._dormant_skips = 0  # cheap skips since the rule last ran
+        self._dormant_plain = 0  # dormant plain steps finished (see DORMANT_RECORD_EVERY)
         self._paying_checks = 0  # dormant checks in a row where drafting would pay
         self._choices = 0
         self._rng = torch.Generator().manual_seed(0)
@@ -239,6 +244,11 @@ class DSparkController:
         t_start, self._t_start = self._t_start, None
         if self._step_reqs == 0:
             return
+        if self.dormant and not drafted_reqs and not self._step_verifies and self._trace is None:
+            self._dormant_plain += 1
+            if self._dormant_plain % DORMANT_RECORD_EVERY:
+                self._count_step()
+                return
         self._unrecorded = (self._step_reqs, self._step_tokens, self._step_verifies,
                             now - t_start - excluded_seconds, draft_seconds - excluded_seconds, drafted_reqs,
                             (walk_seconds, self.depth) if drafted_reqs and walk_seconds > 0 else ())
@@ -273,6 +283,9 @@ class DSparkController:
         if self._trace is not None:
             self._trace.step(self._trace_costs, step=self.steps, reqs=r, tokens=b, seconds=seconds,
                              draft_seconds=draft_seconds, drafted=drafted_reqs, verifies=verifies)
+        self._count_step()
+
+    def _count_step(self) -> None:
         self.steps += 1
         if self.steps % SAVE_EVERY_STEPS == 0:
             self.close()
