@@ -60,22 +60,32 @@ def start_arm(name, target, drafter, max_num_seqs, max_tokens):
     return llm
 
 
-def twin_cost_us(requests: int = 64, k: int = 7, reps: int = 500) -> float:
-    """CPU time of the adaptive-lengths torch twin for one step at 64 requests."""
+def op_cost_us(requests: int = 64, k: int = 7, blocks: int = 9, reps: int = 100) -> dict[str, float]:
+    """Wall time of one adaptive-lengths call at 64 requests x 7 positions:
+    the torch twin, and the op as the engine calls it on CPU (ops.host's
+    NumPy steps at this size). Alternating blocks of calls; each reports its
+    median block."""
     import math
+    import statistics
 
     import torch
 
-    from vllm_dspark.ops.reference import adaptive_lengths
+    from vllm_dspark import ops
+    from vllm_dspark.ops import reference
 
     gen = torch.Generator().manual_seed(0)
     conf = torch.rand(requests, k, generator=gen) ** 0.3
     cap = torch.full((requests,), k, dtype=torch.int32)
-    adaptive_lengths(conf, cap, 5e-3, 1e-4, math.inf, 1 << 30)
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        adaptive_lengths(conf, cap, 5e-3, 1e-4, math.inf, 1 << 30)
-    return (time.perf_counter() - t0) / reps * 1e6
+    impls = {"twin": reference.adaptive_lengths, "cpu_op": ops.adaptive_lengths}
+    times = {name: [] for name in impls}
+    for _ in range(blocks):
+        for name, fn in impls.items():
+            fn(conf, cap, 5e-3, 1e-4, math.inf, 1 << 30)
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                fn(conf, cap, 5e-3, 1e-4, math.inf, 1 << 30)
+            times[name].append((time.perf_counter() - t0) / reps * 1e6)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def best_other(arms: dict) -> dict[int, str]:
@@ -261,7 +271,11 @@ def main(argv=None) -> dict:
         for r in rows:
             if r["concurrency"] in base:
                 r["speedup_vs_nospec"] = r["tokens_per_s"] / base[r["concurrency"]]
-    record["adaptive_twin_us_per_step_at_64"] = twin_cost_us()
+    op_us = op_cost_us()
+    record["adaptive_twin_us_per_step_at_64"] = op_us["twin"]
+    record["adaptive_cpu_op_us_per_step_at_64"] = op_us["cpu_op"]
+    print(f"[bench] adaptive lengths at 64 requests: torch twin {op_us['twin']:.0f} us, "
+          f"CPU op {op_us['cpu_op']:.0f} us a step")
     if "dspark-adaptive" in record["arms"] and len(record["arms"]) > 1:  # targets compare arms
         record["targets"] = check_targets(record["arms"], record.get("head_to_head"))
         for line in record["targets"]["lines"]:

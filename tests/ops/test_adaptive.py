@@ -87,12 +87,15 @@ def test_kernel_matches_twin(rows, k):
         assert torch.equal(kernel(conf, cap, base, tok, tmax, mt), twin(conf, cap, base, tok, tmax, mt))
 
 
+@pytest.mark.parametrize("path", ["scalar", "host"])
 @pytest.mark.parametrize(("rows", "k"), [(1, 1), (1, 7), (5, 3), (27, 7), (64, 7), (256, 16)])
-def test_scalar_path_matches_twin(rows, k):
-    """ops.scalar (what CPU runs for small problems) gives the twin's lengths
-    exactly: random confidences with ties, zeros and NaN, random caps, and
-    the caps on step time and tokens."""
-    from vllm_dspark.ops.scalar import adaptive_lengths as scalar
+def test_cpu_paths_match_twin(path, rows, k):
+    """ops.scalar and ops.host (what CPU runs for small and larger problems)
+    give the twin's lengths exactly: random confidences with ties, zeros, NaN
+    and infinities, random caps, and the caps on step time and tokens."""
+    import importlib
+
+    scalar = importlib.import_module(f"vllm_dspark.ops.{path}").adaptive_lengths
 
     gen = torch.Generator().manual_seed(rows * 17 + k)
     for trial in range(20):
@@ -100,9 +103,11 @@ def test_scalar_path_matches_twin(rows, k):
         conf[::4] = 0.5  # ties
         conf[1::5, 0] = 0.0  # zero confidence at the first position
         conf[2::7, -1] = float("nan")
+        conf[3::11, 0] = float("inf")
+        conf[4::13, -1] = -float("inf")
         cap = torch.randint(0, k + 1, (rows,), generator=gen, dtype=torch.int32)
         for base, tok, tmax, mt in [(5e-3, 1e-4, INF, BIG), (5e-3, 1e-3, INF, BIG), (5e-3, 2e-5, 8e-3, 50),
-                                    (5e-3, 0.0, INF, 3)]:
+                                    (5e-3, 0.0, INF, 3), (0.0, 1e-4, INF, BIG), (0.0, 0.0, INF, BIG)]:
             expected = twin(conf, cap, base, tok, tmax, mt)
             got = scalar(conf, cap, base, tok, tmax, mt)
             assert got.dtype == expected.dtype and torch.equal(got, expected), (trial, base, tok, tmax, mt)

@@ -50,7 +50,7 @@ def sample_recovered(target_probs, draft_probs, draft_ids, uniforms):
 
 # Up to this many candidates (requests x positions) on CPU, ops.scalar's loop
 # beats the torch twin (on this CPU 4-6x faster at 7 and 28, 2x at 112, even
-# near 220).
+# near 220); above it ops.host's NumPy steps do.
 SCALAR_MAX_CANDIDATES = 192
 
 
@@ -61,8 +61,10 @@ def adaptive_lengths(conf, cap, base_cost, token_cost, max_step_time, max_tokens
     mode = envs.VLLM_DSPARK_OPS  # read once: this runs every step
     if use_triton(conf, mode):
         from vllm_dspark.ops.adaptive import adaptive_lengths as impl
-    elif conf.numel() <= SCALAR_MAX_CANDIDATES and mode == "auto":
+    elif mode == "auto" and conf.numel() <= SCALAR_MAX_CANDIDATES:
         from vllm_dspark.ops.scalar import adaptive_lengths as impl
+    elif mode == "auto":
+        from vllm_dspark.ops.host import adaptive_lengths as impl
     else:
         from vllm_dspark.ops.reference import adaptive_lengths as impl
     return impl(conf, cap, base_cost, token_cost, max_step_time, max_tokens)

@@ -5,6 +5,8 @@ ops, each paying dispatch (and, between them, waking the intra-op threads):
 loops take a few tens. They give exactly the twin's results (same float32
 survivals, same order, same float64 sums; tests/ops/test_adaptive.py)."""
 
+import math
+
 import torch
 
 
@@ -20,9 +22,12 @@ def adaptive_lengths(conf: torch.Tensor, cap: torch.Tensor, base_cost: float, to
     total, n = 0.0, 0
     for a, r in candidates:
         step = base_cost + token_cost * (n + 1)
+        prev = step - token_cost
         s = total + a
-        if not (a > 0 and (rows + s) / step > (rows + s - a) / (step - token_cost)
-                and step <= max_step_time and n + 1 <= max_tokens):
+        # A zero cost divides to inf in the twin (the numerators are >= rows > 0).
+        theta = (rows + s) / step if step else math.inf
+        theta_prev = (rows + s - a) / prev if prev else math.inf
+        if not (a > 0 and theta > theta_prev and step <= max_step_time and n + 1 <= max_tokens):
             break
         lengths[r] += 1
         total, n = s, n + 1
