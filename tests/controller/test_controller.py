@@ -280,6 +280,16 @@ def _start(ctl, waiting, running=1, prompt_tokens=0):
                                      **{ATTR: load}))
 
 
+def test_snapshot_carries_the_step_s_load_as_json():
+    import json
+
+    ctl = _skip_rule_ctl()
+    assert ctl.snapshot()["load"] is None
+    _start(ctl, waiting=3, running=5)
+    load = json.loads(json.dumps(ctl.snapshot()))["load"]
+    assert load["running"] == 5 and load["waiting"] == 3 and load["max_running"] == 64
+
+
 def test_skip_rule_values_tokens_at_the_batch_about_to_run():
     """One running request: its drafts pay (about 4 tokens worth 5 ms each
     against 3.5 ms of drafting and verifying). With 63 prompts queued behind

@@ -670,7 +670,7 @@ class DSparkController:
             "depth_hist": list(self.totals["depth_hist"]),
             "calibration": ({m: c.state() for m, c in self.calibrators.items()}
                             if self.calibrators else None),
-            "load": vars(self._load) if self._load else None,
+            "load": self._load._asdict() if self._load else None,
         }
 
     def close(self) -> None:
