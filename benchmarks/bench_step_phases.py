@@ -1,7 +1,7 @@
 """Where a dormant DSpark step spends its time, phase by phase, against a step
 without speculation.
 
-    python benchmarks/bench_step_phases.py                 # c = 16, 12 rounds, ~3 min
+    python benchmarks/bench_step_phases.py                 # c = 16, 12 rounds, ~1 min
     python benchmarks/bench_step_phases.py --concurrency 64 --rounds 8
 
 Both engines run in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, the

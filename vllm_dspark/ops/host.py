@@ -1,7 +1,7 @@
 """NumPy version of the adaptive-lengths op, for CPU problems too big for
 ops.scalar's loop. The torch twin is about thirty small tensor ops, each
-paying torch's dispatch: about 100 µs at 64 requests x 7 positions on this
-2-core CPU (1% of a decode step there), where these steps take about 40. The
+paying torch's dispatch: 110-240 µs at 64 requests x 7 positions on this
+2-core CPU (1-2% of a decode step there), where these steps took 50-90. The
 result is the twin's exactly: the same float32 survivals (left to right),
 the same stable descending order, and the same float64 sums and comparisons
 in the same order (tests/ops/test_adaptive.py).
