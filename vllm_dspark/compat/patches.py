@@ -3,7 +3,9 @@
 Config patches run in every process vLLM starts (the front end builds and
 validates the config). Worker-side changes are subclasses, installed through
 worker_cls, and the two module globals they rebind are rebound only for the
-duration of one constructor call.
+duration of one constructor call. One engine-core helper is memoized
+(memoize_replay_boundaries), by DSparkScheduler, in the engine cores that
+serve dspark.
 """
 
 import contextlib
