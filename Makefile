@@ -42,7 +42,7 @@ models: $(STAMP)
 	$(PY) -m vllm_dspark.training.prompts --tokenizer examples/models/tiny-qwen3
 
 acceptance: $(STAMP)
-	$(PY) -m vllm_dspark.training.acceptance --out benchmarks/results/acceptance.json
+	$(PY) -m vllm_dspark.training.acceptance --out benchmarks/results/latest/acceptance.json
 
 clean-venv:
 	rm -rf $(VENV)

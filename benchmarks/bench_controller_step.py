@@ -3,9 +3,9 @@
     python benchmarks/bench_controller_step.py            # ~1 min
     python benchmarks/bench_controller_step.py --requests 4 --steps 2000
 
-Each step does what the runner asks of the controller: step_started,
-verified (last step's outcomes), should_skip_drafting and, when it drafts,
-choose (this step's lengths); the step's time is then recorded. Step and
+Each step makes the runner's calls: begin_step, observe (last step's
+outcomes), plan and, when it drafts, choose (this step's lengths), then
+end_step; the step's time comes from a simulated clock. Step and
 drafting times come from a fixed synthetic curve (a plain step 4 ms + 0.1 ms
 a request, 0.15 ms per verified draft token, drafting 1.5 ms + 0.05 ms a
 request + 0.1 ms a walked position) and acceptance is geometric (0.75 a
@@ -42,39 +42,42 @@ def run(policy: str, reqs: int, steps: int, seed: int = 0) -> dict:
 
     from vllm_dspark.config import DSparkKnobs
     from vllm_dspark.controller.controller import DSparkController
+    from vllm_dspark.controller.plan import DraftBlocks, StepTiming, StepView, VerifyOutcome
 
-    ctl = DSparkController(DSparkKnobs(policy=policy, persist_cost_model=False), K)
+    clock = [0.0]
+    ctl = DSparkController(DSparkKnobs(policy=policy, persist_cost_model=False), K, now=lambda: clock[0])
     ids = [f"r{i}" for i in range(reqs)]
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator().manual_seed(0)
     rng = random.Random(seed)
     caps, greedy = [K] * reqs, [True] * reqs
+    requests = SimpleNamespace(req_ids=ids, caps=lambda: caps)
     lengths = None
     times = []
+    skipped = 0
     for _ in range(steps):
         tokens = reqs + sum(lengths or ())  # this step verifies last step's lengths
-        out = SimpleNamespace(num_scheduled_tokens=dict.fromkeys(ids, 1),
-                              total_num_scheduled_tokens=tokens,
-                              scheduled_spec_decode_tokens=dict.fromkeys(ids, [0]) if lengths else {},
-                              scheduled_new_reqs=[], finished_req_ids=set())
+        view = StepView(tuple(ids), (), (), None, tokens, 0, bool(lengths) and tokens > reqs)
         conf = torch.randn(reqs, K, generator=gen) + 1.5
         outcome = None
         if lengths is not None:
             outcome = [next((a for a in range(n) if rng.random() >= ACCEPT), n) for n in lengths]
         t0 = time.perf_counter()
-        ctl.step_started(out)
+        ctl.begin_step(view)
         if outcome is not None:
-            ctl.verified(ids, lengths, outcome)
-        skip = ctl.should_skip_drafting(reqs, lambda: caps, lambda: reqs)
-        new = None if skip else ctl.choose(ids, conf, caps, greedy)
+            ctl.observe(VerifyOutcome(ids, lengths, outcome))
+        skip = ctl.plan(requests).mode != "draft"
+        new = None if skip else ctl.choose(DraftBlocks(ids, conf, caps, greedy))
+        depth = ctl.depth
+        seconds, draft = _step_seconds(reqs, tokens - reqs, None if skip else depth)
+        clock[0] += seconds
+        ctl.end_step(StepTiming(draft, 0 if skip else reqs, 0.0, 0.0 if skip else 1e-4 * depth))
         times.append(time.perf_counter() - t0)
-        seconds, draft = _step_seconds(reqs, tokens - reqs, None if skip else ctl.depth)
-        ctl.record_step(reqs, tokens, bool(lengths), seconds, draft, 0 if skip else reqs,
-                        0.0 if skip else 1e-4 * ctl.depth, 0 if skip else ctl.depth)
+        skipped += skip
         lengths = new
     tail = times[steps // 4:]  # past the cost models' warm-up
     return {"policy": policy, "requests": reqs, "steps": steps,
             "mean_us": 1e6 * statistics.fmean(tail), "median_us": 1e6 * statistics.median(tail),
-            "drafted_share": 1 - ctl.totals["skipped_steps"] / steps, "dormant_at_end": ctl.dormant}
+            "drafted_share": 1 - skipped / steps, "dormant_at_end": ctl.dormant}
 
 
 def plot(record: dict, path: Path) -> None:
@@ -103,11 +106,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--requests", type=int, nargs="+", default=[1, 4, 16, 64])
     ap.add_argument("--policies", nargs="+", default=["full", "adaptive"], choices=["full", "threshold", "adaptive"])
     ap.add_argument("--steps", type=int, default=4000)
-    ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "controller_step.json")
+    ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "latest" / "controller_step.json")
     args = ap.parse_args(argv)
     import torch
 
-    from vllm_dspark.benchmarking import machine_info, write_record
+    from vllm_dspark.benchmarking import write_record
+    from vllm_dspark.fingerprint import machine_info
 
     torch.set_num_threads(1)  # the controller's tensors are tiny; the runner's threads are not its own
     t0 = time.time()

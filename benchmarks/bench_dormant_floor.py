@@ -27,16 +27,19 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 
 def hold_dormant(worker) -> bool:
-    """Runs in the worker: the controller is dormant on every step and never drafts."""
+    """Runs in the worker: the controller is dormant from now on, whatever its
+    rule finds (which still runs, with its bookkeeping and admissions); its
+    steps run without speculation and no request keeps context, so none drafts."""
+    from vllm_dspark.controller.dormancy import Dormancy
+
+    class Held(Dormancy):
+        def update(self, *args, **kwargs):
+            super().update(*args, **kwargs)
+            self.dormant = True
+
     ctl = worker.model_runner.dspark
-    rule = ctl.should_skip_drafting
-
-    def never_draft(num_reqs, caps=None, draftable=None):
-        ctl.dormant = True
-        rule(num_reqs, caps, draftable)  # its bookkeeping and admissions, as when dormant
-        return ctl._skip()
-
-    ctl.should_skip_drafting = never_draft
+    ctl.dormancy = Held(ctl.tuning, ctl.knobs.dormant_after_steps)
+    ctl.dormancy.dormant = True
     return True
 
 
@@ -61,7 +64,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[16, 64])
     ap.add_argument("--pairs", type=int, default=40)
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "dormant_floor.json")
+    ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "latest" / "dormant_floor.json")
     args = ap.parse_args(argv)
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     import tempfile
@@ -69,8 +72,9 @@ def main(argv=None) -> dict:
     os.environ.setdefault("VLLM_DSPARK_CACHE_DIR", tempfile.mkdtemp(prefix="dspark_cache_"))
     from bench_dspark import pair_summary
 
-    from vllm_dspark.benchmarking import (TINY_DRAFTER, TINY_TARGET, machine_info, measure_head_to_head,
-                                          measure_offline, start_engine, stop_engine, write_record)
+    from vllm_dspark.benchmarking import (TINY_DRAFTER, TINY_TARGET, measure_head_to_head, measure_offline,
+                                          start_engine, stop_engine, write_record)
+    from vllm_dspark.fingerprint import machine_info
     from vllm_dspark.training.prompts import load_prompts
 
     prompts = [p["text"] for p in load_prompts()]

@@ -223,7 +223,8 @@ def plot(record: dict, path: Path) -> None:
 
 
 def main(argv=None) -> dict:
-    from vllm_dspark.benchmarking import TINY_DRAFTER, TINY_TARGET, machine_info
+    from vllm_dspark.benchmarking import TINY_DRAFTER, TINY_TARGET
+    from vllm_dspark.fingerprint import machine_info
     from vllm_dspark.training.prompts import load_prompts
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -237,7 +238,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--head-to-head-pairs", type=int, default=30,
                     help="after the sweep, adaptive against each concurrency's best other arm in this many "
                     "alternating pairs of rounds (0: none); the targets' verdict uses them")
-    ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "dspark_vs_nospec.json")
+    ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "latest" / "dspark_vs_nospec.json")
     ap.add_argument("--cache-dir", type=Path, default=None,
                     help="VLLM_DSPARK_CACHE_DIR for the run (default: a fresh temporary one, so the "
                     "cost model is learned online from scratch)")

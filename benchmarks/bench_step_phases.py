@@ -34,8 +34,8 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 RUNNER = ("execute_model", "sample_tokens", "_update_states", "_prepare_inputs", "_build_attention_metadata",
-          "_model_forward", "_sample", "_bookkeeping_sync", "_after_plain_step")
-CONTROLLER = ("step_started", "should_skip_drafting", "step_finished")
+          "_model_forward", "_sample", "_bookkeeping_sync")
+CONTROLLER = ("begin_step", "plan", "end_step")
 SCHEDULER = ("schedule", "update_from_output")
 
 
@@ -99,7 +99,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=12, help="rounds per engine, alternating")
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "step_phases.json")
+    ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "latest" / "step_phases.json")
     args = ap.parse_args(argv)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core and worker in this process
     import tempfile
@@ -107,8 +107,8 @@ def main(argv=None) -> dict:
     os.environ.setdefault("VLLM_DSPARK_CACHE_DIR", tempfile.mkdtemp(prefix="dspark_cache_"))
     from bench_dormant_floor import hold_dormant
 
-    from vllm_dspark.benchmarking import (TINY_DRAFTER, TINY_TARGET, machine_info, measure_offline, start_engine,
-                                          write_record)
+    from vllm_dspark.benchmarking import TINY_DRAFTER, TINY_TARGET, measure_offline, start_engine, write_record
+    from vllm_dspark.fingerprint import machine_info
     from vllm_dspark.training.prompts import load_prompts
 
     prompts = [p["text"] for p in load_prompts()][: 2 * args.concurrency]

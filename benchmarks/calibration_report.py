@@ -22,13 +22,14 @@ sys.path.insert(0, str(REPO))
 def main(argv=None) -> dict:
     from vllm import SamplingParams
 
-    from vllm_dspark.benchmarking import TINY_DRAFTER, TINY_TARGET, machine_info, start_engine, stop_engine
+    from vllm_dspark.benchmarking import TINY_DRAFTER, TINY_TARGET, start_engine, stop_engine
+    from vllm_dspark.fingerprint import machine_info
     from vllm_dspark.training.prompts import load_prompts
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompts", type=int, default=256)
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "calibration.json")
+    ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "latest" / "calibration.json")
     args = ap.parse_args(argv)
     prompts = [p["text"] for p in load_prompts(limit=args.prompts)]
     spec = {"method": "dspark", "model": str(REPO / TINY_DRAFTER), "num_speculative_tokens": 7}

@@ -31,7 +31,8 @@ PROMPT_TOKENS = 48  # the held-out prompts' length (vllm_dspark.training.prompts
 
 def record(name: str, concurrency: int, prompts: list[str], max_tokens: int, target: str, drafter: str,
            out_root: Path, plain: dict) -> dict:
-    from vllm_dspark.benchmarking import machine_info, measure_offline, start_engine, stop_engine
+    from vllm_dspark.benchmarking import measure_offline, start_engine, stop_engine
+    from vllm_dspark.fingerprint import machine_info
 
     out = out_root / name
     tmp = Path(tempfile.mkdtemp(prefix="dspark-trace-"))

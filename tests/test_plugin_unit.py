@@ -219,44 +219,45 @@ def test_draft_free_step_samples_the_rows_vllm_would():
 
 
 def test_requests_admitted_while_dormant_get_no_context():
-    """While the controller is dormant, the runner marks newly admitted
-    requests contextless: their verify cap is 0, their queued context is not
-    written, and the mark goes when they finish."""
+    """While the controller is dormant, newly admitted requests keep no drafter
+    context: their verify cap is 0, their queued context is not written, and
+    the mark goes when they finish; one of them keeps it while no other
+    request in the step has any (probes need one)."""
     from types import SimpleNamespace
 
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    from vllm_dspark.controller.context_ledger import ContextLedger
+    from vllm_dspark.runner import _Requests
 
-    from vllm_dspark.config import DSparkKnobs
-    from vllm_dspark.controller.controller import DSparkController
-    from vllm_dspark.runner import DSparkRunnerMixin, _WantedContext
-
-    class Runner(DSparkRunnerMixin, GPUModelRunner):
-        pass
-
+    ledger = ContextLedger()
+    live = {"a", "b"}
+    wanted = ledger.wanted(live)
+    assert ledger.admit(("a",), ["a"], dormant=False) == (0, 1)  # not dormant: admitted with context
+    assert ledger.admit(("b",), ["a", "b"], dormant=True) == (1, 1) and ledger.among(["a", "b"]) == {"b"}
+    # "a" is gone and "b" has no context: of the new ones, the first keeps it.
+    ledger.forget({"a"})
+    live.update({"c", "d"})
+    assert ledger.admit(("c", "d"), ["b", "c", "d"], dormant=True) == (1, 1)
+    assert ledger.among(["b", "c", "d"]) == {"b", "d"}
     state = SimpleNamespace(sampling_params=SimpleNamespace(max_tokens=None, extra_args=None), output_token_ids=[])
-    runner = object.__new__(Runner)  # only what the admission bookkeeping reads
-    runner._contextless = set()
-    runner.requests = {"a": state, "b": state}
-    runner.dspark = DSparkController(DSparkKnobs(persist_cost_model=False), block_len=4)
-    wanted = _WantedContext(runner.requests, runner._contextless)
+    runner = SimpleNamespace(requests={"a": state, "b": state}, drafter=SimpleNamespace(block_len=4))
+    assert ledger.zero_caps(["a", "b"], _Requests(runner, ["a", "b"], None).caps()) == [4, 0]
+    assert "c" in wanted and "b" not in wanted and "gone" not in wanted
+    ledger.forget({"b", "d"})
+    assert ledger.admit((), ["c"], dormant=False) == (0, 1) and not len(ledger)
 
-    def step(new, finished=()):
-        return SimpleNamespace(scheduled_new_reqs=[SimpleNamespace(req_id=r) for r in new],
-                               finished_req_ids=set(finished))
 
-    assert runner._admit(step(["a"]), ["a"]) == 1  # not dormant: admitted with context
-    runner.dspark.dormant = True
-    assert runner._admit(step(["b"]), ["a", "b"]) == 1 and runner._contextless == {"b"}
-    # "a" is gone and "b" has no context: of the new ones, the first keeps it
-    # (a probe needs one request with context).
-    runner.requests.update(c=state, d=state)
-    assert runner._admit(step(["c", "d"], finished=["a"]), ["b", "c", "d"]) == 1
-    assert runner._contextless == {"b", "d"}
-    assert runner._request_caps(["a", "b"], None) == [4, 0]
-    assert "a" in wanted and "b" not in wanted and "gone" not in wanted
-    assert runner.dspark.snapshot()["contextless_requests"] == 2
-    runner.dspark.dormant = False
-    assert runner._admit(step([], finished=["b", "d"]), ["c"]) == 1 and not runner._contextless
+def test_request_caps_count_this_step_s_accepted_tokens():
+    """Drafting runs before vLLM appends this step's tokens: a request with 5
+    tokens left that accepted 2 drafts now (3 tokens made) may verify 1 more."""
+    from types import SimpleNamespace
+
+    from vllm_dspark.runner import _Requests
+
+    state = SimpleNamespace(sampling_params=SimpleNamespace(max_tokens=10, extra_args={"dspark_max_verify": 3}),
+                            output_token_ids=[0] * 5)
+    runner = SimpleNamespace(requests={"a": state, "b": state}, drafter=SimpleNamespace(block_len=4))
+    requests = _Requests(runner, ["a", "b"], ([2, 3], [2, 0]))
+    assert requests.caps() == [1, 3] and requests.caps() is requests.caps()  # computed once
 
 
 def test_dormant_steps_run_without_speculation_and_leave_no_context():
@@ -267,10 +268,13 @@ def test_dormant_steps_run_without_speculation_and_leave_no_context():
     from types import SimpleNamespace
     from unittest import mock
 
+    from vllm.config.compilation import CompilationMode, CUDAGraphMode
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     from vllm_dspark.config import DSparkKnobs
     from vllm_dspark.controller.controller import DSparkController
+    from vllm_dspark.controller.plan import NO_DRAFT
+    from vllm_dspark.plain_steps import PlainStepSwitch
     from vllm_dspark.runner import DSparkRunnerMixin
 
     class Model:
@@ -292,14 +296,15 @@ def test_dormant_steps_run_without_speculation_and_leave_no_context():
          mock.patch.object(GPUModelRunner, "sample_tokens", lambda self, g: None):
         runner = object.__new__(Runner)
         spec = object()
-        runner.speculative_config, runner._spec_config, runner.use_aux_hidden_state_outputs = spec, spec, True
-        runner.model, runner._plain, runner._plain_allowed, runner._plain_aux = Model(), False, True, True
-        runner._plain_step_output, runner._contextless, runner._dspark_draft = None, set(), None
-        runner.rejection_sampler = SimpleNamespace(last_outcome=None)
-        runner.input_batch = SimpleNamespace(req_ids=["a", "b"])
-        runner.dspark = DSparkController(DSparkKnobs(persist_cost_model=False), block_len=4)
+        runner.speculative_config, runner.use_aux_hidden_state_outputs, runner.model = spec, True, Model()
+        config = SimpleNamespace(model_config=SimpleNamespace(is_hybrid=False), compilation_config=SimpleNamespace(
+            cudagraph_mode=CUDAGraphMode.NONE, mode=CompilationMode.NONE))
+        runner._plain_switch = PlainStepSwitch(runner, config)
+        runner._dspark_timing, runner._step_verifies = NO_DRAFT, False
+        runner.dspark = ctl = DSparkController(DSparkKnobs(persist_cost_model=False), block_len=4, plain_steps=True)
         rules = []
-        runner.dspark.should_skip_drafting = lambda n, caps, draftable: rules.append((n, draftable())) or True
+        skips = ctl._skips
+        ctl._skips = lambda rows, requests: rules.append((rows, requests)) or skips(rows, requests)
 
         def step(new=(), finished=(), spec_tokens=None):
             so = SimpleNamespace(scheduled_new_reqs=[SimpleNamespace(req_id=r) for r in new],
@@ -309,15 +314,15 @@ def test_dormant_steps_run_without_speculation_and_leave_no_context():
             runner.sample_tokens(None)
 
         step(new=["a", "b"])  # not dormant: the speculative paths, context kept
-        runner.dspark.dormant = True
+        ctl.dormancy.dormant = True
         step(spec_tokens={"a": [5]})  # drafts scheduled before dormancy: still verified
-        assert ran[0] == ran[1] == (spec, True, (1, 3)) and not rules and not runner._contextless
+        assert ran[0] == ran[1] == (spec, True, (1, 3)) and not rules and not len(ctl.ledger)
         step(new=["c"], finished=["x"])
         assert ran[2] == (None, False, ())
-        assert runner._contextless == {"a", "b"} and rules == [(2, 0)]
-        assert runner.dspark.snapshot()["plain_steps"] == 1
-        assert runner.dspark.snapshot()["contextless_requests"] == 1
-        runner.dspark.dormant = False
+        assert ctl.ledger.among(["a", "b"]) == {"a", "b"} and rules == [(2, None)]
+        assert ctl.snapshot().plain_steps == 1
+        assert ctl.snapshot().contextless_requests == 1
+        ctl.dormancy.dormant = False
         step()
         assert ran[3] == (spec, True, (1, 3)) and len(rules) == 1
 

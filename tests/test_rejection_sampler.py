@@ -180,7 +180,7 @@ def test_invalid_draft_slots_are_rejected(sampler):
     for temp in (1.0, 0.0):
         out = sampler(_spec_metadata([[-1]]), None, logits, _sampling_metadata([temp])).sampled_token_ids
         assert out[0, 0].item() != -1 and out[0, 1].item() == -1
-        assert sampler.last_outcome == ([1], [0])
+        assert sampler.take_outcome() == ([1], [0]) and sampler.take_outcome() is None  # once per forward
     # The tensor path too, on a greedy row (all-greedy CPU batches take a list path).
     out = torch.full((1, 2), -1, dtype=torch.int32)
     sampler._verify(out, [1], torch.tensor([-1]), None, logits[:1], torch.tensor([3]), _sampling_metadata([0.0]))

@@ -42,12 +42,12 @@ def test_shallow_walk_is_the_full_walk_cut(temps):
     anchors = torch.tensor([1, 5, 9])
     md = _sampling_metadata(temps)
     torch.manual_seed(2)
-    full_tokens, full_probs, full_conf = proposer._sample_block(hidden, anchors, md)
+    full_tokens, full_probs, full_conf, _, _ = proposer._sample_block(hidden, anchors, md)
     assert (full_tokens[:, 1:] != proposer.model.compute_draft_logits(hidden[:, 1:]).argmax(-1)).any(), \
         "the Markov bias must matter, or a cut walk is trivially the full one"
     for depth in range(1, K + 1):
         torch.manual_seed(2)
-        tokens, probs, conf = proposer._sample_block(hidden, anchors, md, depth)
+        tokens, probs, conf, walk_seconds, walked = proposer._sample_block(hidden, anchors, md, depth)
         assert tokens.shape == full_tokens.shape and conf.shape == full_conf.shape
         assert torch.equal(tokens[:, :depth], full_tokens[:, :depth])
         assert torch.equal(conf[:, :depth], full_conf[:, :depth])
@@ -62,7 +62,7 @@ def test_shallow_walk_is_the_full_walk_cut(temps):
         assert torch.equal(tokens[:, depth:], rest)
         expected = model.model.confidence_head(hidden[:, depth:], model.markov_embed(tokens[:, depth - 1:K - 1]))
         assert torch.allclose(conf[:, depth:], expected, atol=1e-5)
-        assert proposer.last_walk_seconds > 0
+        assert walk_seconds > 0 and walked == depth
 
 
 def _with_markov_head(model, scale=1.0, quantized=False):

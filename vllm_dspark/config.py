@@ -9,6 +9,7 @@ Every check here runs at engine start-up, and every error names the field and
 the fix.
 """
 
+import functools
 import json
 from pathlib import Path
 from typing import Any, Literal
@@ -58,13 +59,11 @@ class DSparkKnobs(BaseModel):
     )
     dormant_after_steps: int = Field(
         default=64, ge=0,
-        description="policy=adaptive: once drafting has been skipped on at least 90% of the last "
-        "this many steps and still does not pay, with 8 or more requests about to run, requests "
-        "admitted from then on are served without "
-        "speculation (but one while no other running request has context, for probes): the "
-        "drafter's context is not kept for them, which makes a skipping engine about as cheap "
-        "as one without speculation. Requests admitted after drafting pays again are drafted "
-        "as usual. 0: always keep every request's context.",
+        description="policy=adaptive: once drafting was skipped on at least 90% of the last this many "
+        "steps and would not pay now, with 8 or more requests about to run, the controller is dormant: "
+        "steps run as vLLM's steps without speculation (eager, non-hybrid targets) and requests "
+        "admitted meanwhile keep no drafter context, which makes the engine about as cheap as one "
+        "without speculation. It ends once drafting pays again. 0: never.",
     )
     adaptive_depth: bool = Field(
         default=True,
@@ -79,13 +78,14 @@ class DSparkKnobs(BaseModel):
     cost_curve: str | None = Field(
         default=None,
         description="Path to a JSON step-cost curve (format: vllm_dspark/controller/cost_curve.py) "
-        "that policy=adaptive uses instead of learning the costs online.",
+        "that policy=adaptive uses instead of learning the costs online: for a GPU profiled once, or "
+        "to make choices independent of the machine's speed.",
     )
 
     trace_dir: str | None = Field(
         default=None,
         description="Record a controller trace (confidences, verified and accepted lengths, step "
-        "times) as JSON lines in this folder, for `python -m vllm_dspark.sim`. Off by default.",
+        "times) as JSON lines in this folder, for `python -m vllm_dspark.sim` (also VLLM_DSPARK_TRACE_DIR).",
     )
 
     @field_validator("cost_curve")
@@ -96,6 +96,18 @@ class DSparkKnobs(BaseModel):
 
             load_cost_curve(path)  # its ValueError names what is wrong
         return path
+
+    def pinned_curve(self):
+        """The cost_curve file, read (once per process and file version)."""
+        from vllm_dspark.controller.cost_curve import load_cost_curve
+
+        return load_cost_curve(self.cost_curve) if self.cost_curve else None
+
+    def trace_folder(self) -> str | None:
+        """Where to trace: the knob, else VLLM_DSPARK_TRACE_DIR (None: off)."""
+        from vllm_dspark import envs
+
+        return self.trace_dir or envs.VLLM_DSPARK_TRACE_DIR
 
 
 def parse_knobs(additional_config: Any) -> DSparkKnobs:
@@ -108,6 +120,22 @@ def parse_knobs(additional_config: Any) -> DSparkKnobs:
             f'additional_config["{ADDITIONAL_CONFIG_KEY}"] must be a JSON object, '
             f"got {type(raw).__name__}: {raw!r}."
         )
+    try:
+        key = json.dumps(raw, sort_keys=True)
+    except (TypeError, ValueError):
+        return _parse(raw)
+    return _parse_cached(key)
+
+
+@functools.lru_cache(maxsize=16)
+def _parse_cached(key: str) -> DSparkKnobs:
+    """One parse per process for the same settings (the front end and the
+    worker share a process with the uni executor); the cost curve's own read
+    is cached per file version."""
+    return _parse(json.loads(key))
+
+
+def _parse(raw: dict) -> DSparkKnobs:
     valid = ", ".join(DSparkKnobs.model_fields)
     try:
         return DSparkKnobs(**raw)
@@ -196,3 +224,39 @@ def read_checkpoint_config(path: str) -> dict:
         return json.loads(cfg.read_text())
     except json.JSONDecodeError as e:
         raise DSparkConfigError(f"{cfg} is not valid JSON ({e}); re-export the drafter.") from None
+
+
+def _values(info) -> str:
+    """A knob's accepted values, from its annotation and bounds."""
+    import types
+    import typing
+
+    ann = info.annotation
+    args = typing.get_args(ann)
+    nullable = type(None) in args
+    base = next((a for a in args if a is not type(None)), ann) if isinstance(ann, types.UnionType) else ann
+    if typing.get_origin(base) is Literal:
+        text = ", ".join(f'`"{v}"`' for v in typing.get_args(base))
+    else:
+        text = {bool: "bool", int: "int", float: "float", str: "path"}.get(base, str(base))
+        bounds = []
+        for m in info.metadata:
+            for attr, sign in (("ge", "≥"), ("gt", ">"), ("le", "≤"), ("lt", "<")):
+                if getattr(m, attr, None) is not None:
+                    bounds.append(f"{sign} {getattr(m, attr)}")
+        if bounds:
+            text += " " + ", ".join(bounds)
+    return text + (" or null" if nullable else "")
+
+
+def knob_table() -> str:
+    """The knobs as the README shows them (`python -m vllm_dspark.config`)."""
+    rows = ["| key | values | default | effect |", "|---|---|---|---|"]
+    for name, info in DSparkKnobs.model_fields.items():
+        default = "null" if info.default is None else json.dumps(info.default)
+        rows.append(f"| `{name}` | {_values(info)} | `{default}` | {info.description} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(knob_table())

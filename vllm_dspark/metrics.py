@@ -11,6 +11,7 @@ Exported (all prefixed vllm_dspark:):
   verify_budget_tokens          gauge    draft tokens chosen for the last step
   verify_budget_tokens_total    counter  draft tokens chosen, all steps
   verify_length                 histogram  per-request verify lengths
+  draft_depth                   histogram  positions the Markov head walked per drafting step
   step_time_seconds{kind}       gauge    predicted / measured, last step
   cost_model_error_percent      gauge    mean |predicted - measured| / measured
   contextless_requests_total    counter  requests admitted while dormant (no speculation)
@@ -35,8 +36,9 @@ def snapshot_dir(instance_id: str) -> Path:
 
 
 class SnapshotWriter:
-    """Writes ``snapshot_fn()`` every SNAPSHOT_INTERVAL_S from a daemon thread
-    (off the step path; the tail of a burst lands within one interval)."""
+    """Writes ``snapshot_fn()`` (a JSON-able dict) every SNAPSHOT_INTERVAL_S
+    from a daemon thread (off the step path; the tail of a burst lands within
+    one interval)."""
 
     def __init__(self, directory: Path | None, rank: int, snapshot_fn):
         self.path = directory / f"worker-{rank}.json" if directory else None
@@ -84,42 +86,44 @@ class DSparkCollector:
     def collect(self):
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+        from vllm_dspark.controller.telemetry import ControllerSnapshot, value_sum
+
         snaps = read_snapshots(self.directory)
         if not snaps:
             return
-        snap = snaps[0]  # rank 0 decides for every rank
+        snap = ControllerSnapshot.from_json(snaps[0])  # rank 0 decides for every rank
         yield GaugeMetricFamily(PREFIX + "verify_budget_tokens",
-                                "Draft tokens chosen for verification in the last step.", value=snap["last_budget"])
+                                "Draft tokens chosen for verification in the last step.", value=snap.last_budget)
         yield CounterMetricFamily(PREFIX + "verify_budget_tokens", "Draft tokens chosen for verification.",
-                                  value=snap["budget_tokens_total"])
+                                  value=snap.budget_tokens_total)
         for key, name, doc in (("length_hist", "verify_length", "Per-request verify length per step."),
                                ("depth_hist", "draft_depth", "Positions the Markov head walked per drafting "
                                 "step (later positions are neither sampled nor verified).")):
-            hist = snap[key]
+            hist = getattr(snap, key)
             cum, buckets = 0, []
             for n, count in enumerate(hist):
                 cum += count
                 buckets.append((str(float(n)), cum))
             buckets.append(("+Inf", cum))
-            yield HistogramMetricFamily(PREFIX + name, doc, buckets=buckets, sum_value=_value_sum(hist))
+            yield HistogramMetricFamily(PREFIX + name, doc, buckets=buckets, sum_value=value_sum(hist))
         step = GaugeMetricFamily(PREFIX + "step_time_seconds", "Step time, predicted by the cost model "
                                  "before the step and measured after it.", labels=["kind"])
         for kind in ("predicted", "measured"):
-            value = snap.get(f"{kind}_step_s")
+            value = getattr(snap, f"{kind}_step_s")
             if value is not None:
                 step.add_metric([kind], value)
         yield step
         yield CounterMetricFamily(PREFIX + "contextless_requests", "Requests admitted while the controller "
-                                  "was dormant: served without speculation.", value=snap["contextless_requests"])
+                                  "was dormant: served without speculation.", value=snap.contextless_requests)
         yield CounterMetricFamily(PREFIX + "plain_steps", "Steps run as steps without speculation "
-                                  "(the controller was dormant).", value=snap["plain_steps"])
+                                  "(the controller was dormant).", value=snap.plain_steps)
         yield GaugeMetricFamily(PREFIX + "dormant", "1 while requests are admitted without drafter context "
-                                "(drafting has not paid for a while), else 0.", value=float(snap["dormant"]))
-        if snap.get("cost_model_mape") is not None:
+                                "(drafting has not paid for a while), else 0.", value=float(snap.dormant))
+        if snap.cost_model_mape is not None:
             yield GaugeMetricFamily(PREFIX + "cost_model_error_percent",
                                     "Mean absolute step-time prediction error, percent.",
-                                    value=snap["cost_model_mape"])
-        cal = snap.get("calibration")
+                                    value=snap.cost_model_mape)
+        cal = snap.calibration
         if cal:
             ece = GaugeMetricFamily(PREFIX + "calibration_ece", "Expected calibration error of the "
                                     "confidence head per draft position.", labels=["mode", "position", "kind"])
@@ -151,27 +155,3 @@ def install_collector(instance_id: str) -> None:
     except ImportError:
         return
     REGISTRY.register(DSparkCollector(str(directory)))
-
-
-def summary_line(snap: dict) -> str:
-    mean_len, mean_depth = (_mean(snap[key]) for key in ("length_hist", "depth_hist"))
-    pred, meas = snap.get("predicted_step_s"), snap.get("measured_step_s")
-    mape = snap.get("cost_model_mape")
-    cal = snap.get("calibration") or {}
-    ece = {m: [round(x, 3) for x in st["ece_calibrated"] if x is not None] for m, st in cal.items()}
-    load = snap.get("load") or {}
-    return (f"dspark: {snap['steps']} steps, mean verify length {mean_len:.2f}, mean depth {mean_depth:.2f}, last budget "
-            f"{snap['last_budget']} tokens; step {1e3 * (pred or 0):.1f} ms predicted / "
-            f"{1e3 * (meas or 0):.1f} ms measured (error {mape or 0:.1f}%); calibrated ECE {ece}; "
-            f"load running={load.get('running')} waiting={load.get('waiting')} kv={load.get('kv_usage')}")
-
-
-def _value_sum(hist: list[int]) -> int:
-    """Sum of the values counted by a histogram indexed by value."""
-    return sum(n * c for n, c in enumerate(hist))
-
-
-def _mean(hist: list[int]) -> float:
-    """Mean of a histogram indexed by value."""
-    total = sum(hist)
-    return _value_sum(hist) / total if total else 0.0

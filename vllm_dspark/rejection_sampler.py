@@ -27,10 +27,20 @@ from vllm_dspark.sampling import RowParams, processed_probs, row_uniforms
 
 
 class DSparkRejectionSampler(RejectionSampler):
-    # (num_verified per request, accepted per request) of the last call, for the controller.
-    last_outcome: tuple[list[int], list[int]] | None = None
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # (num_verified per request, accepted per request) of this forward, for the controller.
+        self.last_outcome: tuple[list[int], list[int]] | None = None
+
+    def take_outcome(self) -> tuple[list[int], list[int]] | None:
+        """This forward's outcome, once."""
+        outcome = self.last_outcome
+        if outcome is not None:
+            self.last_outcome = None
+        return outcome
 
     def forward(self, metadata, draft_probs, logits, sampling_metadata) -> SamplerOutput:
+        self.last_outcome = None
         counts = list(metadata.num_draft_tokens)
         num_reqs = len(counts)
         device = logits.device

@@ -13,27 +13,23 @@ import time
 from typing import NamedTuple
 
 import torch
-from vllm.config.compilation import CompilationMode, CUDAGraphMode
 from vllm.utils.torch_utils import async_tensor_h2d
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.worker import gpu_model_runner
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-from vllm_dspark import envs
-from vllm_dspark.log import get_logger
-from vllm_dspark.compat.ledger import check_instance
 from vllm_dspark.compat.patches import rebound
 from vllm_dspark.config import parse_knobs
 from vllm_dspark.controller.controller import DSparkController
-from vllm_dspark.controller.cost_model import fingerprint
-from vllm_dspark.metrics import SnapshotWriter, snapshot_dir, summary_line
+from vllm_dspark.controller.plan import NO_DRAFT, DraftBlocks, StepTiming, StepView, VerifyOutcome, request_caps
+from vllm_dspark.fingerprint import cost_cache_dir, cost_fingerprint
+from vllm_dspark.metrics import SnapshotWriter, snapshot_dir
+from vllm_dspark.plain_steps import PlainStepSwitch
 from vllm_dspark.proposer.dspark_proposer import DSparkProposer
 from vllm_dspark.rejection_sampler import DSparkRejectionSampler
 from vllm_dspark.sampling import GREEDY_EPS
 from vllm_dspark.scheduler import DRAFTS_ATTR
-
-logger = get_logger(__name__)
 
 
 class DSparkRunnerMixin:
@@ -43,34 +39,19 @@ class DSparkRunnerMixin:
         with rebound(gpu_model_runner, "EagleProposer", DSparkProposer):
             super().__init__(vllm_config, device)
         assert isinstance(self.drafter, DSparkProposer)
-        # Requests admitted while the controller was dormant: never drafted,
-        # and their context is neither queued nor written.
-        self._contextless: set[str] = set()
-        self.drafter.context_queue.live_requests = _WantedContext(self.requests, self._contextless)
         self.use_aux_hidden_state_outputs = True
         self.rejection_sampler = DSparkRejectionSampler(self.sampler, self.speculative_config, self.device)
-        knobs = parse_knobs(vllm_config.additional_config)
-        self.dspark = DSparkController(knobs, self.drafter.block_len, _cost_fingerprint(vllm_config),
-                                       cache_dir=_cache_dir(), trace_dir=envs.VLLM_DSPARK_TRACE_DIR)
+        self._plain_switch = PlainStepSwitch(self, vllm_config)
+        self.dspark = DSparkController(parse_knobs(vllm_config.additional_config), self.drafter.block_len,
+                                       fingerprint=cost_fingerprint(vllm_config), cache_dir=cost_cache_dir(),
+                                       plain_steps=self._plain_switch.allowed)
+        # Queued context is written only for live requests that keep it.
+        self.drafter.context_queue.live_requests = self.dspark.ledger.wanted(self.requests)
+        self._step_verifies = False
+        self._dspark_timing = NO_DRAFT
         rank = vllm_config.parallel_config.rank
-        # This step's drafting: (seconds, requests drafted, seconds of them
-        # spent writing skipped steps' queued context, and walking the Markov head).
-        self._dspark_draft = (0.0, 0, 0.0, 0.0)
-        self._dspark_snapshots = SnapshotWriter(
-            snapshot_dir(vllm_config.instance_id) if rank == 0 else None, rank, self.dspark.snapshot)
-        check_instance(self, "runner")  # the attributes _set_plain switches
-        # Steps while the controller is dormant run as steps without
-        # speculation (see _set_plain): not for hybrid targets (their state
-        # tracking reads the speculative config) nor with CUDA graphs (captured
-        # with it); the target's aux outputs go too only where it runs eagerly
-        # (a compiled forward keeps the outputs it was traced with).
-        compilation = vllm_config.compilation_config
-        self._plain = False
-        self._plain_allowed = (not vllm_config.model_config.is_hybrid
-                               and compilation.cudagraph_mode == CUDAGraphMode.NONE)
-        self._plain_aux = compilation.mode == CompilationMode.NONE
-        self._spec_config = self.speculative_config
-        self._plain_step_output = None
+        self._dspark_snapshots = SnapshotWriter(snapshot_dir(vllm_config.instance_id) if rank == 0 else None,
+                                                rank, lambda: self.dspark.snapshot().to_json())
 
     def _get_eagle3_aux_layers_from_config(self):
         # The V1 helper reads only DFlash/EAGLE keys; vLLM's V2 helper also reads
@@ -97,51 +78,15 @@ class DSparkRunnerMixin:
         return logits_indices, spec_decode_metadata, max_sampled
 
     def execute_model(self, scheduler_output, *args, **kwargs):
-        self.dspark.step_started(scheduler_output)
-        if self.rejection_sampler.last_outcome is not None:  # (nn.Module setattr is slow)
-            self.rejection_sampler.last_outcome = None
-        plain = (self._plain_allowed and self.dspark.dormant
-                 and not scheduler_output.scheduled_spec_decode_tokens)
-        if plain != self._plain:
-            self._set_plain(plain)
-        self._plain_step_output = scheduler_output if plain else None
+        view = StepView.of(scheduler_output)
+        self._step_verifies = view.verifies  # the rejection sampler runs this step
+        self._plain_switch.set(self.dspark.begin_step(view) is not None)
         return super().execute_model(scheduler_output, *args, **kwargs)
 
-    def _set_plain(self, on: bool) -> None:
-        """Run the coming steps as vLLM runs them without speculation (on), or
-        with it again. While the controller is dormant no step drafts, and
-        vLLM's speculative paths (verify metadata, the drafter's attention
-        metadata and hook, the target's aux hidden states) were most of what a
-        dormant DSpark step cost over a step without speculation. Such a step
-        gives the drafter no context: every request in it loses its context
-        (_after_plain_step)."""
-        self._plain = on
-        self.speculative_config = None if on else self._spec_config
-        if self._plain_aux:
-            self.use_aux_hidden_state_outputs = not on
-            layers = () if on else (self._get_eagle3_aux_layers_from_config()
-                                    or self.model.get_eagle3_default_aux_hidden_state_layers())
-            self.model.set_aux_hidden_state_layers(layers)
-
-    def _after_plain_step(self, scheduler_output) -> None:
-        """Bookkeeping of a step run without speculation: no request in it
-        keeps drafter context, and the skip rule still runs (it is what ends
-        dormancy)."""
-        scheduled = scheduler_output.num_scheduled_tokens  # this step's requests, by id
-        self._forget_finished(scheduler_output)
-        if scheduler_output.scheduled_new_reqs:
-            self.dspark.admitted_without_context(len(scheduler_output.scheduled_new_reqs))
-        self._contextless.update(scheduled)
-        self.dspark.ran_plain_step()
-        self.dspark.should_skip_drafting(len(scheduled), None, _no_context)
-
     def sample_tokens(self, *args, **kwargs):
-        self._dspark_draft = (0.0, 0, 0.0, 0.0)
-        plain_step, self._plain_step_output = self._plain_step_output, None
+        self._dspark_timing = NO_DRAFT
         out = super().sample_tokens(*args, **kwargs)
-        if plain_step is not None:
-            self._after_plain_step(plain_step)
-        elif isinstance(out, ModelRunnerOutput):
+        if not self._plain_switch.on and isinstance(out, ModelRunnerOutput):
             # The drafts travel with the output (DSparkScheduler applies them),
             # saving the engine core's take_draft_token_ids round trip. On a
             # copy: vLLM reuses some output objects. All empty (drafter
@@ -152,101 +97,86 @@ class DSparkRunnerMixin:
             if drafts is not None and any(drafts.draft_token_ids):
                 out = copy.copy(out)
                 setattr(out, DRAFTS_ATTR, drafts)
-        self.dspark.step_finished(*self._dspark_draft)
-        every = self.dspark.knobs.log_every
-        if every and self.dspark.steps and self.dspark.steps % every == 0:
-            logger.info(summary_line(self.dspark.snapshot()))
+        self.dspark.end_step(self._dspark_timing)
         return out
 
-    def propose_draft_token_ids(self, *args, **kwargs):
-        # The whole drafting path (vLLM's input preparation included) is timed:
-        # it is what skipping the drafter saves.
+    def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
+                                sample_hidden_states, aux_hidden_states, spec_decode_metadata,
+                                common_attn_metadata, slot_mappings):
+        """Enact the controller's plan. Blocks count as drafted even when the
+        controller then verifies none of them: the drafting model must learn
+        from those steps too. The whole path (vLLM's input preparation and the
+        controller's choices included) is timed: it is what skipping saves."""
         t0 = time.perf_counter()
-        self.drafter.last_walk_seconds = 0.0
-        drafts, drafted, flushed = self._dspark_propose(*args, **kwargs)
-        self._dspark_draft = (time.perf_counter() - t0, drafted, flushed, self.drafter.last_walk_seconds)
-        return drafts
-
-    def _dspark_propose(self, scheduler_output, sampled_token_ids, sampling_metadata,
-                        hidden_states, sample_hidden_states, aux_hidden_states,
-                        spec_decode_metadata, common_attn_metadata, slot_mappings):
-        """(drafts per request, blocks drafted, seconds spent writing queued
-        context). Blocks count even when the controller then verifies none of
-        them: the drafting model must learn from those steps too (else, when
-        no length pays, it never becomes trusted and probes never back off)."""
         req_ids = list(self.input_batch.req_ids)
-        outcome = self.rejection_sampler.last_outcome
+        outcome = self.rejection_sampler.take_outcome() if self._step_verifies else None
         if outcome is not None:
-            self.dspark.verified(req_ids, *outcome)
-        caps = _Once(lambda: self._request_caps(req_ids, outcome))
-        draftable = _Once(lambda: self._admit(scheduler_output, req_ids))
-        if self.dspark.should_skip_drafting(len(req_ids), caps, draftable):
-            # Speculation does not pay at this load: no block, no drafts; the
-            # drafter still takes in this step's tokens as context (queued),
-            # unless no request here keeps context.
-            with_context = draftable()
-            if with_context:
-                n = scheduler_output.total_num_scheduled_tokens
-                scheduled = scheduler_output.num_scheduled_tokens
-                step = (aux_hidden_states, self._get_positions(n), common_attn_metadata.slot_mapping[:n],
-                        req_ids, [scheduled[rid] for rid in req_ids])
-                if with_context < len(req_ids):
-                    step = _only_requests(step, [rid not in self._contextless for rid in req_ids])
-                self.drafter.defer_context(*step)
-            return [[] for _ in req_ids], 0, 0.0
+            self.dspark.observe(VerifyOutcome(req_ids, *outcome))
+        requests = _Requests(self, req_ids, outcome)
+        plan = self.dspark.plan(requests)
+        if plan.mode == "skip":
+            self._defer_context(plan.contextless, scheduler_output, req_ids, aux_hidden_states,
+                                common_attn_metadata)
+            self._dspark_timing = StepTiming(time.perf_counter() - t0)
+            return [[] for _ in req_ids]
         # The context queued by skipped steps is written first and timed apart:
-        # it is the skipped steps' work, and counted as drafting it made a
-        # probe after a long skip look up to twice as dear as drafting is.
+        # it is the skipped steps' work.
         flushed = self.drafter.flush_context()
-        self.drafter.depth = self.dspark.depth
+        self.drafter.set_depth(plan.depth)
         drafts = super().propose_draft_token_ids(
             scheduler_output, sampled_token_ids, sampling_metadata, hidden_states, sample_hidden_states,
             aux_hidden_states, spec_decode_metadata, common_attn_metadata, slot_mappings)
-        confidence = self.drafter.last_confidence
-        self.drafter.last_confidence = None
-        if not torch.is_tensor(drafts) or confidence is None:
-            return drafts, len(drafts), flushed
-        rows = req_ids[: drafts.shape[0]]
-        greedy = [self.requests[rid].sampling_params.temperature < GREEDY_EPS for rid in rows]
-        lengths = self.dspark.choose(rows, confidence, caps()[: len(rows)], greedy)
-        return [row[:n] for row, n in zip(drafts.tolist(), lengths)], len(rows), flushed
+        draft = self.drafter.take_draft()
+        walk = draft.walk_seconds if draft is not None else 0.0
+        if torch.is_tensor(drafts) and draft is not None:
+            rows = req_ids[: drafts.shape[0]]
+            greedy = [self.requests[rid].sampling_params.temperature < GREEDY_EPS for rid in rows]
+            lengths = self.dspark.choose(DraftBlocks(rows, draft.confidence, requests.caps()[: len(rows)], greedy))
+            drafted, drafts = len(rows), [row[:n] for row, n in zip(drafts.tolist(), lengths)]
+        else:
+            drafted = len(drafts)
+        self._dspark_timing = StepTiming(time.perf_counter() - t0, drafted, flushed, walk)
+        return drafts
 
-    def _admit(self, scheduler_output, req_ids: list[str]) -> int:
-        """Track the requests without drafter context: this step's new ones
-        if the controller is dormant, less those that finished, and except
-        one while no other request here has context (probes need one: they
-        are what tells when drafting pays again). Returns how many of
-        ``req_ids`` have context."""
-        self._forget_finished(scheduler_output)
-        contextless = self._contextless
-        if self.dspark.dormant and scheduler_output.scheduled_new_reqs:
-            new = [r.req_id for r in scheduler_output.scheduled_new_reqs]
-            fresh = set(new)
-            if not any(rid not in contextless and rid not in fresh for rid in req_ids):
-                new = new[1:]
-            contextless.update(new)
-            self.dspark.admitted_without_context(len(new))
-        return len(req_ids) - sum(rid in contextless for rid in req_ids) if contextless else len(req_ids)
+    def _defer_context(self, contextless, scheduler_output, req_ids, aux_hidden_states, common_attn_metadata):
+        """A skipped step: no drafts, but the drafter still takes in this
+        step's tokens as context (queued) for the requests that keep it."""
+        keep = None
+        if contextless:
+            keep = [rid not in contextless for rid in req_ids]
+            if not any(keep):
+                return
+        n = scheduler_output.total_num_scheduled_tokens
+        scheduled = scheduler_output.num_scheduled_tokens
+        step = (aux_hidden_states, self._get_positions(n), common_attn_metadata.slot_mapping[:n], req_ids,
+                [scheduled[rid] for rid in req_ids])
+        if keep is not None:
+            step = _only_requests(step, keep)
+        self.drafter.defer_context(*step)
 
-    def _forget_finished(self, scheduler_output) -> None:
-        """Requests that finished hold no context to track."""
-        if self._contextless and scheduler_output.finished_req_ids:
-            self._contextless.difference_update(scheduler_output.finished_req_ids)
 
-    def _request_caps(self, req_ids: list[str], outcome) -> list[int]:
-        """Each request's verify cap: its dspark_max_verify, and the tokens
-        left before its max_tokens; 0 without drafter context. Drafting runs
-        before vLLM's bookkeeping appends this step's tokens (1 + accepted
-        drafts) to the outputs."""
-        produced = [1 + a for a in outcome[1]] if outcome is not None else [1] * len(req_ids)
-        states = [self.requests[rid] for rid in req_ids]
-        params = [st.sampling_params for st in states]
-        caps = self.dspark.request_caps(
-            [p.extra_args for p in params],
-            [None if p.max_tokens is None else p.max_tokens - len(st.output_token_ids) - k
-             for p, st, k in zip(params, states, produced)])
-        contextless = self._contextless
-        return [0 if rid in contextless else c for rid, c in zip(req_ids, caps)] if contextless else caps
+class _Requests:
+    """This step's requests as the controller may ask about them (plan.RequestView)."""
+
+    __slots__ = ("req_ids", "_runner", "_outcome", "_caps")
+
+    def __init__(self, runner, req_ids: list[str], outcome):
+        self.req_ids, self._runner, self._outcome, self._caps = req_ids, runner, outcome, None
+
+    def caps(self) -> list[int]:
+        """dspark_max_verify, and the tokens left before max_tokens. Drafting
+        runs before vLLM's bookkeeping appends this step's tokens (1 +
+        accepted drafts) to the outputs."""
+        if self._caps is None:
+            outcome, states = self._outcome, self._runner.requests
+            produced = [1 + a for a in outcome[1]] if outcome is not None else [1] * len(self.req_ids)
+            rows = [states[rid] for rid in self.req_ids]
+            params = [st.sampling_params for st in rows]
+            self._caps = request_caps(
+                [p.extra_args for p in params],
+                [None if p.max_tokens is None else p.max_tokens - len(st.output_token_ids) - k
+                 for p, st, k in zip(params, rows, produced)], self._runner.drafter.block_len)
+        return self._caps
 
 
 def _only_requests(step: tuple, keep: list[bool]) -> tuple:
@@ -264,57 +194,10 @@ def _only_requests(step: tuple, keep: list[bool]) -> tuple:
             [r for r, k in zip(req_ids, keep) if k], [c for c, k in zip(counts, keep) if k])
 
 
-class _Once:
-    """A call computed on first use, then remembered (functools.cache builds
-    a wrapper per instance, dearer than the two calls a step makes)."""
-
-    __slots__ = ("_fn", "_value")
-    _UNSET = object()
-
-    def __init__(self, fn):
-        self._fn, self._value = fn, _Once._UNSET
-
-    def __call__(self):
-        if self._value is _Once._UNSET:
-            self._value = self._fn()
-        return self._value
-
-
-def _no_context() -> int:
-    return 0
-
-
-class _WantedContext:
-    """The request ids whose queued context is still written: live, and
-    admitted with context."""
-
-    def __init__(self, requests: dict, contextless: set[str]):
-        self._requests, self._contextless = requests, contextless
-
-    def __contains__(self, req_id: str) -> bool:
-        return req_id in self._requests and req_id not in self._contextless
-
-
 class _LogitsRowsOnly(NamedTuple):
     """What _prepare_inputs reads of the metadata of a step without drafts."""
 
     logits_indices: torch.Tensor
-
-
-def _cost_fingerprint(vllm_config) -> str:
-    from vllm_dspark.benchmarking import machine_info
-
-    info = machine_info()
-    spec = vllm_config.speculative_config
-    return fingerprint(info["cpu"], info["cores"], info["versions"], vllm_config.model_config.model,
-                       vllm_config.model_config.dtype, spec.model, spec.num_speculative_tokens,
-                       vllm_config.parallel_config.tensor_parallel_size)
-
-
-def _cache_dir():
-    from pathlib import Path
-
-    return Path(envs.VLLM_DSPARK_CACHE_DIR)
 
 
 class DSparkCPUModelRunner(DSparkRunnerMixin, CPUModelRunner):

@@ -3,13 +3,14 @@
 import torch
 
 from vllm_dspark.controller.calibration import PositionCalibrator
+from vllm_dspark.controller.tuning import CalibrationTuning
 
 
 def test_learns_platt_scaling_and_lowers_ece():
     """Truth: P(accept at k | earlier accepted) = sigmoid(2 z - 1). Seed 0,
     2000 steps x 16 requests; the raw head (sigmoid z) is miscalibrated."""
     gen = torch.Generator().manual_seed(0)
-    cal = PositionCalibrator(3, refit_every=20)
+    cal = PositionCalibrator(3, CalibrationTuning(refit_every=20))
     for _ in range(2000):
         z = torch.randn(16, 3, generator=gen) * 1.5
         truth = torch.sigmoid(2 * z - 1)
@@ -23,7 +24,7 @@ def test_learns_platt_scaling_and_lowers_ece():
 
 
 def test_only_positions_through_the_first_rejection_are_observed():
-    cal = PositionCalibrator(4, refit_every=10**9)
+    cal = PositionCalibrator(4, CalibrationTuning(refit_every=10**9))
     z = torch.zeros(2, 4)
     # request 0: verified 4, accepted 1 -> positions 0 (1) and 1 (0) observed
     # request 1: verified 2, accepted 2 -> positions 0, 1 observed, both accepted
@@ -38,16 +39,15 @@ def test_separable_outcomes_keep_parameters_bounded():
     """Every confident prediction accepted, every doubtful one rejected (as a
     well-trained head on easy text gives): the fit sharpens, but stays finite
     and bounded, and calibrated ECE does not blow up."""
-    from vllm_dspark.controller.calibration import PARAM_BOUND
-
-    cal = PositionCalibrator(2, refit_every=5)
+    cal = PositionCalibrator(2, CalibrationTuning(refit_every=5))
     gen = torch.Generator().manual_seed(0)
     for _ in range(200):
         z = torch.randn(32, 2, generator=gen) * 3
         accepted = (z[:, 0] > 0).long() * (1 + (z[:, 1] > 0).long())
         cal.observe(z, torch.full((32,), 2), accepted)
     assert torch.isfinite(cal.alpha).all() and torch.isfinite(cal.beta).all()
-    assert (cal.alpha.abs() <= PARAM_BOUND).all() and (cal.beta.abs() <= PARAM_BOUND).all()
+    bound = cal.tuning.param_bound
+    assert (cal.alpha.abs() <= bound).all() and (cal.beta.abs() <= bound).all()
     assert (cal.alpha > 1).all()  # it did sharpen
     ece = cal.ece("calibrated")
     assert all(e is not None and e < 0.1 for e in ece), ece

@@ -1,29 +1,65 @@
-"""DSparkController without vLLM: policies, caps and per-request bookkeeping."""
+"""DSparkController without vLLM: policies, caps and per-request bookkeeping,
+driven through the calls the runner makes (plan.py)."""
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from vllm_dspark.config import DSparkKnobs
+from vllm_dspark.controller.clock import StepSample
 from vllm_dspark.controller.controller import DSparkController
+from vllm_dspark.controller.cost_curve import CostCurve
+from vllm_dspark.controller.cost_model import CostParams
+from vllm_dspark.controller.plan import DraftBlocks, StepTiming, StepView, VerifyOutcome, request_caps
+from vllm_dspark.controller.tuning import ControllerTuning
+
+TUNING = ControllerTuning()
 
 
-def _ctl(**knobs):
-    return DSparkController(DSparkKnobs(persist_cost_model=False, **knobs), block_len=4)
+def _ctl(tuning=TUNING, now=None, **knobs):
+    extra = {} if now is None else {"now": now}
+    return DSparkController(DSparkKnobs(persist_cost_model=False, **knobs), block_len=4, tuning=tuning, **extra)
+
+
+def _choose(ctl, ids, logits, caps, greedy):
+    return ctl.choose(DraftBlocks(ids, logits, caps, greedy))
+
+
+def _verified(ctl, ids, num_verified, accepted):
+    ctl.observe(VerifyOutcome(ids, num_verified, accepted))
+
+
+class _Requests:
+    """plan.RequestView for tests."""
+
+    def __init__(self, req_ids, caps=None):
+        self.req_ids, self._caps = req_ids, caps
+
+    def caps(self):
+        return self._caps if self._caps is not None else [4] * len(self.req_ids)
+
+
+def _skips(ctl, req_ids=("a",), caps=None) -> bool:
+    """The controller's plan for this step skips the drafter."""
+    return ctl.plan(_Requests(list(req_ids), caps)).mode == "skip"
+
+
+def _view(reqs=("a",), verifies=False, **kw):
+    return StepView(tuple(reqs), kw.get("new", ()), (), kw.get("load"), kw.get("tokens", len(reqs)), 0, verifies)
 
 
 def test_policies_and_caps():
     logits = torch.tensor([[4.0, 4.0, 4.0, 4.0], [-4.0, 4.0, 4.0, 4.0]])
     greedy = [True, True]
-    assert _ctl(policy="full").choose(["a", "b"], logits, [4, 2], greedy) == [4, 2]
-    assert _ctl(policy="threshold", threshold=0.5).choose(["a", "b"], logits, [4, 4], greedy) == [4, 0]
-    assert _ctl(policy="adaptive").choose(["a", "b"], logits, [0, 4], greedy)[0] == 0  # dspark_max_verify=0
+    assert _choose(_ctl(policy="full"), ["a", "b"], logits, [4, 2], greedy) == [4, 2]
+    assert _choose(_ctl(policy="threshold", threshold=0.5), ["a", "b"], logits, [4, 4], greedy) == [4, 0]
+    assert _choose(_ctl(policy="adaptive"), ["a", "b"], logits, [0, 4], greedy)[0] == 0  # dspark_max_verify=0
 
 
 def test_request_caps_from_extra_args():
-    ctl = _ctl()
-    assert ctl.request_caps([None, {}, {"dspark_max_verify": 2}, {"other": 1}]) == [4, 4, 2, 4]
+    assert request_caps([None, {}, {"dspark_max_verify": 2}, {"other": 1}], None, 4) == [4, 4, 2, 4]
 
 
 def test_outcomes_follow_request_ids_across_reordering():
@@ -31,24 +67,24 @@ def test_outcomes_follow_request_ids_across_reordering():
     matched to the confidences of the same request."""
     ctl = _ctl(policy="full")
     logits = torch.tensor([[5.0, 5.0, 5.0, 5.0], [-5.0, -5.0, -5.0, -5.0]])
-    ctl.choose(["sure", "hopeless"], logits, [4, 4], [True, True])
+    _choose(ctl, ["sure", "hopeless"], logits, [4, 4], [True, True])
     # next step, the batch lists them the other way round
-    ctl.verified(["hopeless", "sure"], [4, 4], [0, 4])
-    bins = ctl.calibrators["greedy"].bins["raw"]
+    _verified(ctl, ["hopeless", "sure"], [4, 4], [0, 4])
+    bins = ctl.acceptance.calibrators["greedy"].bins["raw"]
     # position 0: a confident accept (top bin, outcome 1) and a doubtful reject (bottom bin, outcome 0)
     assert bins[0, -1].tolist() == pytest.approx([1.0, float(torch.sigmoid(torch.tensor(5.0))), 1.0])
     assert bins[0, 0].tolist()[::2] == [1.0, 0.0]
-    assert ctl._pending is None  # nothing carried past the step that used it
+    assert ctl.acceptance.observe(VerifyOutcome(["sure"], [4], [4])) is None  # nothing carried past its step
 
 
 def test_adaptive_shrinks_under_token_cost():
     ctl = _ctl()
     logits = torch.full((16, 4), 1.0)  # ~0.73 per position
-    cheap = sum(ctl.choose([str(i) for i in range(16)], logits, [4] * 16, [True] * 16))
+    cheap = sum(_choose(ctl, [str(i) for i in range(16)], logits, [4] * 16, [True] * 16))
     for _ in range(300):  # the machine turns out to pay 2 ms per token
-        ctl.cost.observe(16, 64, 5e-3 + 2e-3 * 64)
-        ctl.cost.observe(16, 16, 5e-3 + 2e-3 * 16)
-    dear = sum(ctl.choose([str(i) for i in range(16)], logits, [4] * 16, [True] * 16))
+        ctl.costs.verify.observe(16, 64, 5e-3 + 2e-3 * 64)
+        ctl.costs.verify.observe(16, 16, 5e-3 + 2e-3 * 16)
+    dear = sum(_choose(ctl, [str(i) for i in range(16)], logits, [4] * 16, [True] * 16))
     assert dear < cheap
 
 
@@ -63,7 +99,7 @@ def test_adaptive_shrinks_under_token_cost():
 def test_admitted_levels_match_the_op_on_identical_rows(rows, conf, base, tok, max_step, max_tokens):
     """The skip rule's closed form agrees with ops.adaptive_lengths when every
     request has the same confidences."""
-    from vllm_dspark.controller.controller import admitted_levels
+    from vllm_dspark.controller.gate import admitted_levels
     from vllm_dspark.ops.reference import adaptive_lengths
 
     c = torch.tensor([conf] * rows, dtype=torch.float32)
@@ -82,16 +118,16 @@ def _assert_levels_are_the_op_s(levels, conf, lengths):
 
 
 def test_probe_pace_follows_what_a_probe_costs():
-    """While skipping on priors alone, probes keep every PROBE_EVERY-th step
+    """While skipping on priors alone, probes keep every probe_every-th step
     (they are what measures drafting). Once the drafting model is trusted, the
-    gap is what keeps the probes' predicted loss near PROBE_LOSS_BUDGET:
-    long where drafting costs a lot, PROBE_EVERY where it costs next to nothing."""
-    from vllm_dspark.controller import controller as cc
+    gap is what keeps the probes' predicted loss near probe_loss_budget:
+    long where drafting costs a lot, probe_every where it costs next to nothing."""
+    t = TUNING
 
     def probe_gaps(ctl, steps):
         gaps, run = [], 0
         for _ in range(steps):
-            if ctl.should_skip_drafting(1):
+            if _skips(ctl):
                 run += 1
             else:
                 gaps.append(run)
@@ -101,132 +137,115 @@ def test_probe_pace_follows_what_a_probe_costs():
     for draft_s, expect_long in ((0.01, True), (1e-5, False)):
         # No step can meet the SLO: never pays. Not dormant: probes at their exact pace.
         ctl = _ctl(slo_tokens_per_s=1e6, dormant_after_steps=0)
-        ctl.choose(["a"], torch.zeros(1, 4), [4], [True])
-        assert set(probe_gaps(ctl, 80)) == {cc.PROBE_EVERY - 1}
+        _choose(ctl, ["a"], torch.zeros(1, 4), [4], [True])
+        assert set(probe_gaps(ctl, 80)) == {t.probe_every - 1}
         # Only the drafting model: with no length worth verifying, probes
         # verify nothing and the verify-step model is never measured; that
         # must not keep probing at full pace forever.
-        for _ in range(cc.MIN_OBSERVATIONS):
-            ctl.draft_cost.observe(1, 4, draft_s)
-        _, plain, draft, _ = ctl._step_costs(1)
+        for _ in range(t.cost.min_observations):
+            ctl.costs.draft.observe(1, 4, draft_s)
+        est = ctl.costs.predict(1, 0, ctl.depth)
+        plain, draft = est.plain, est.draft
         # A probe here verifies nothing: its goodput shortfall, weighted by how
         # much longer than a plain step it takes (what it costs in throughput).
         loss = (1 - plain / (plain + draft)) * (plain + draft) / plain
-        expected = min(cc.MAX_PROBE_EVERY, max(cc.PROBE_EVERY, math.ceil(loss / cc.PROBE_LOSS_BUDGET)))
+        expected = min(t.max_probe_every, max(t.probe_every, math.ceil(loss / t.probe_loss_budget)))
         gaps = probe_gaps(ctl, 3000)
         assert set(gaps[1:]) == {expected - 1}
-        assert (expected > 10 * cc.PROBE_EVERY) == expect_long
+        assert (expected > 10 * t.probe_every) == expect_long
 
 
-def test_queued_context_write_is_no_model_s_cost(monkeypatch):
+def _recording(ctl):
+    """The samples ``ctl`` records into its cost models, in a list."""
+    seen = []
+    observe = ctl.costs.observe
+    ctl.costs.observe = lambda sample: (seen.append(sample), observe(sample))[1]
+    return seen
+
+
+def test_queued_context_write_is_no_model_s_cost():
     """A probe after skipped steps first writes their queued context; that time
     must reach neither the drafting model nor the step's own model (counted as
     drafting, it made probes look several times dearer than drafting is). The
     engine's work after a step is charged to that step."""
-    from types import SimpleNamespace
-
-    from vllm_dspark.controller import controller as cc
-
     clock = iter([0.0, 0.050, 0.051])  # a 50 ms step, then 1 ms of engine work before the next
-    monkeypatch.setattr(cc.time, "perf_counter", lambda: next(clock))
-    ctl = _ctl()
-    seen = []
-    monkeypatch.setattr(ctl, "record_step", lambda *a: seen.append(a))
-    out = SimpleNamespace(num_scheduled_tokens={"a": 1}, total_num_scheduled_tokens=1,
-                          scheduled_spec_decode_tokens={}, scheduled_new_reqs=[])
-    ctl.step_started(out)
-    ctl.step_finished(0.040, 1, excluded_seconds=0.030)  # 40 ms drafting, 30 of it the queue
+    ctl = _ctl(now=lambda: next(clock))
+    seen = _recording(ctl)
+    ctl.begin_step(_view())
+    ctl.end_step(StepTiming(0.040, 1, excluded_seconds=0.030))  # 40 ms drafting, 30 of it the queue
     assert not seen  # recorded once the gap after it is known
-    ctl.step_started(out)
-    (r, b, verifies, seconds, draft_seconds, drafted), = seen
-    assert (r, b, drafted) == (1, 1, 1)
-    assert seconds == pytest.approx(0.021) and draft_seconds == pytest.approx(0.010)
+    ctl.begin_step(_view())
+    (sample,) = seen
+    assert (sample.reqs, sample.tokens, sample.drafted) == (1, 1, 1)
+    assert sample.seconds == pytest.approx(0.021) and sample.draft_seconds == pytest.approx(0.010)
 
 
-def test_engine_gap_is_charged_to_the_step_before_it(monkeypatch):
+def test_engine_gap_is_charged_to_the_step_before_it():
     """The engine's work between steps grows with what the step before it
     produced: a verify step's gap must not be charged to the plain step after
     it, and an idle pause is charged as that kind's usual gap."""
-    from types import SimpleNamespace
-
-    from vllm_dspark.controller import controller as cc
-
     # start/end of four steps (verify, plain, plain after a 1 s pause, plain), then one more start
     clock = iter([0.000, 0.010, 0.014, 0.019, 1.019, 1.024, 1.025, 1.030, 1.031])
-    monkeypatch.setattr(cc.time, "perf_counter", lambda: next(clock))
-    ctl = _ctl()
-    seen = []
-    monkeypatch.setattr(ctl, "record_step", lambda *a: seen.append((a[2], round(a[3], 6))))
+    ctl = _ctl(now=lambda: next(clock))
+    seen = _recording(ctl)
     for verifies in (True, False, False, False):
-        ctl.step_started(SimpleNamespace(num_scheduled_tokens={"a": 1}, total_num_scheduled_tokens=1,
-                                         scheduled_spec_decode_tokens={"a": [5]} if verifies else {},
-                                         scheduled_new_reqs=[]))
-        ctl.step_finished(0.0, 0)
-    ctl.step_started(SimpleNamespace(num_scheduled_tokens={}, total_num_scheduled_tokens=0,
-                                     scheduled_spec_decode_tokens={}, scheduled_new_reqs=[]))
+        ctl.begin_step(_view(verifies=verifies))
+        ctl.end_step(StepTiming())
+    ctl.begin_step(_view(reqs=()))
     # verify: 10 ms + its 4 ms gap; plain: 5 ms + no plain gap seen yet (the
     # pause is idle); then 5 ms + 1 ms, twice
-    assert seen == [(True, 0.014), (False, 0.005), (False, 0.006), (False, 0.006)]
+    assert [(s.verifies, round(s.seconds, 6)) for s in seen] == [
+        (True, 0.014), (False, 0.005), (False, 0.006), (False, 0.006)]
 
 
 def test_dormant_plain_steps_train_the_models_one_in_every_few():
-    """While dormant, one plain step in DORMANT_RECORD_EVERY is recorded (the
+    """While dormant, one plain step in dormant_record_every is recorded (the
     others count as steps, untimed); otherwise, and on any step that verifies,
     every step is."""
-    from types import SimpleNamespace
-
-    from vllm_dspark.controller import controller as cc
+    every = TUNING.dormant_record_every
 
     def run(ctl, steps, verifies=False):
-        recorded = []
-        ctl.record_step = lambda *a, **k: (recorded.append(a[2]), cc.DSparkController._count_step(ctl))
+        seen = _recording(ctl)
         for _ in range(steps):
-            ctl.step_started(SimpleNamespace(num_scheduled_tokens={"a": 1}, total_num_scheduled_tokens=1,
-                                             scheduled_spec_decode_tokens={"a": [5]} if verifies else {},
-                                             scheduled_new_reqs=[]))
-            ctl.step_finished(0.0, 0)
-        return recorded
+            ctl.begin_step(_view(verifies=verifies))
+            ctl.end_step(StepTiming())
+        return [s.verifies for s in seen]
 
-    n = 10 * cc.DORMANT_RECORD_EVERY
+    n = 10 * every
     awake, dormant, verifying = _ctl(), _ctl(), _ctl()
-    dormant.dormant = verifying.dormant = True
+    dormant.dormancy.dormant = verifying.dormancy.dormant = True
     assert len(run(awake, n)) == n - 1  # the last step is recorded at the next start
-    assert len(run(dormant, n + 1)) == n // cc.DORMANT_RECORD_EVERY and dormant.steps == n + 1
+    assert len(run(dormant, n + 1)) == n // every and dormant.steps == n + 1
     assert run(verifying, n, verifies=True) == [True] * (n - 1)
-    assert cc.DORMANT_RECORD_EVERY > 1
+    assert every > 1
 
 
 def test_plain_cost_at_an_unseen_batch_size_comes_from_the_verify_model():
     """Plain steps seen only at R=4 cannot tell t0 from t_req; at R=16 the
     plain cost is the verify-step model (which has seen R=16) minus the verify
     path's overhead measured on the plain steps, not the plain model's guess."""
-    from vllm_dspark.controller import controller as cc
-
-    ctl = _ctl()
+    costs = _ctl().costs
     true_verify = lambda r, b: 2e-3 + 5e-4 * r + 1e-4 * b  # noqa: E731
-    for i in range(6 * cc.MIN_OBSERVATIONS):
+    n = TUNING.cost.min_observations
+    for i in range(6 * n):
         r, b = (4, 16)[i % 2], 1 + i % 5  # verified drafts per request vary
-        ctl.record_step(r, r * b, True, true_verify(r, r * b), 0.0, 0)
-    for _ in range(3 * cc.MIN_OBSERVATIONS):
-        ctl.record_step(4, 4, False, true_verify(4, 4) - 1e-3, 0.0, 0)  # 1 ms cheaper than verifying
-    assert ctl.cost.covers(16) and not ctl.plain_cost.covers(16) and ctl.plain_cost.covers(4)
-    _, plain16, _, _ = ctl._step_costs(16)
-    assert plain16 == pytest.approx(true_verify(16, 16) - 1e-3, rel=0.05)
-    _, plain4, _, _ = ctl._step_costs(4)
-    assert plain4 == pytest.approx(true_verify(4, 4) - 1e-3, rel=0.05)
+        costs.observe(StepSample(r, r * b, True, true_verify(r, r * b), 0.0, 0))
+    for _ in range(3 * n):
+        costs.observe(StepSample(4, 4, False, true_verify(4, 4) - 1e-3, 0.0, 0))  # 1 ms cheaper than verifying
+    assert costs.verify.covers(16) and not costs.plain.covers(16) and costs.plain.covers(4)
+    assert costs.predict(16, 0, 4).plain == pytest.approx(true_verify(16, 16) - 1e-3, rel=0.05)
+    assert costs.predict(4, 0, 4).plain == pytest.approx(true_verify(4, 4) - 1e-3, rel=0.05)
 
 
 def test_request_caps_stop_at_max_tokens():
     """A step yields at most verified + 1 tokens: a request with n tokens left
     before max_tokens verifies at most n - 1 (none when it ends this step)."""
-    ctl = _ctl()
-    assert ctl.request_caps([None, {"dspark_max_verify": 2}, None, None, None],
-                            [100, 100, 3, 1, 0]) == [4, 2, 2, 0, 0]
-    assert ctl.request_caps([None], [None]) == [4]
+    assert request_caps([None, {"dspark_max_verify": 2}, None, None, None], [100, 100, 3, 1, 0], 4) == [4, 2, 2, 0, 0]
+    assert request_caps([None], [None], 4) == [4]
 
 
 def test_level_counts():
-    from vllm_dspark.controller.controller import level_counts
+    from vllm_dspark.controller.gate import level_counts
 
     assert level_counts([0, 2, 4, 4, 9], 4) == [4, 4, 3, 3]
     assert level_counts([], 3) == [0, 0, 0]
@@ -238,7 +257,7 @@ def test_level_counts():
     ([1, 3, 5, 7], 1 << 30),
 ])
 def test_admitted_levels_with_caps_match_the_op(caps, max_tokens):
-    from vllm_dspark.controller.controller import admitted_levels, level_counts
+    from vllm_dspark.controller.gate import admitted_levels, level_counts
     from vllm_dspark.ops.reference import adaptive_lengths
 
     conf = [0.95] * 7
@@ -250,43 +269,39 @@ def test_admitted_levels_with_caps_match_the_op(caps, max_tokens):
     _assert_levels_are_the_op_s(levels, c, lengths)
 
 
-def _skip_rule_ctl(**knobs):
+def _skip_rule_ctl(tuning=TUNING, **knobs):
     """A controller whose window says every drafted token is accepted, on
     pinned costs where drafting one block pays at R=1."""
-    from vllm_dspark.controller.cost_curve import CostCurve
-    from vllm_dspark.controller.cost_model import CostParams
-
-    ctl = _ctl(**knobs)
+    ctl = _ctl(tuning, **knobs)
     linear = CostParams(5e-3, 1e-4, 1e-4)
-    ctl.pin_costs(CostCurve("test", spec=linear, plain=linear, draft=CostParams(3e-3, 1e-4, 1e-5)), "test")
+    ctl.costs.pin(CostCurve("test", spec=linear, plain=linear, draft=CostParams(3e-3, 1e-4, 1e-5)), "test")
     logits = torch.full((1, 4), 6.0)
     for _ in range(50):
-        ctl.choose(["a"], logits, [4], [True])
-        ctl.verified(["a"], [4], [4])
+        _choose(ctl, ["a"], logits, [4], [True])
+        _verified(ctl, ["a"], [4], [4])
     return ctl
 
 
-def _start(ctl, waiting, running=1, prompt_tokens=0):
+def _start(ctl, waiting, running=1, prompt_tokens=0, new=()):
     """A step of one decoding request ("a"), and one prompt chunk if asked."""
-    from types import SimpleNamespace
-
     from vllm_dspark.controller.signals import ATTR, LoadSignals
 
-    scheduled = {"a": 1, **({"p": prompt_tokens} if prompt_tokens else {})}
+    scheduled = {"a": 1, **({"p": prompt_tokens} if prompt_tokens else {}), **dict.fromkeys(new, 1)}
     load = LoadSignals(running=running, waiting=waiting, kv_usage=0.1, scheduled_tokens=sum(scheduled.values()),
                        token_budget=4096, max_running=64)
-    ctl.step_started(SimpleNamespace(num_scheduled_tokens=scheduled, total_num_scheduled_tokens=sum(scheduled.values()),
-                                     scheduled_spec_decode_tokens={}, scheduled_new_reqs=[],
-                                     **{ATTR: load}))
+    ctl.begin_step(StepView.of(SimpleNamespace(
+        num_scheduled_tokens=scheduled, total_num_scheduled_tokens=sum(scheduled.values()),
+        scheduled_spec_decode_tokens={}, scheduled_new_reqs=[SimpleNamespace(req_id=r) for r in new],
+        finished_req_ids=set(), **{ATTR: load})))
 
 
 def test_snapshot_carries_the_step_s_load_as_json():
     import json
 
     ctl = _skip_rule_ctl()
-    assert ctl.snapshot()["load"] is None
+    assert ctl.snapshot().load is None
     _start(ctl, waiting=3, running=5)
-    load = json.loads(json.dumps(ctl.snapshot()))["load"]
+    load = json.loads(json.dumps(ctl.snapshot().to_json()))["load"]
     assert load["running"] == 5 and load["waiting"] == 3 and load["max_running"] == 64
 
 
@@ -297,16 +312,16 @@ def test_skip_rule_values_tokens_at_the_batch_about_to_run():
     decode step (0.28 ms): the same drafts no longer pay."""
     ctl = _skip_rule_ctl()
     _start(ctl, waiting=0)
-    assert not ctl.should_skip_drafting(1)
+    assert not _skips(ctl)
     _start(ctl, waiting=63)
-    assert ctl.should_skip_drafting(1)
+    assert _skips(ctl)
 
 
 def test_skip_rule_skips_a_request_with_nothing_left_to_verify():
     ctl = _skip_rule_ctl()
     _start(ctl, waiting=0)
-    assert not ctl.should_skip_drafting(1, caps=lambda: [4])
-    assert ctl.should_skip_drafting(1, caps=lambda: [0])  # it reaches max_tokens this step
+    assert not _skips(ctl, caps=[4])
+    assert _skips(ctl, caps=[0])  # it reaches max_tokens this step
 
 
 def test_skip_rule_values_tokens_at_the_admitted_batch():
@@ -314,75 +329,75 @@ def test_skip_rule_values_tokens_at_the_admitted_batch():
     (running, not yet decoding); their batch is what a token is valued at."""
     ctl = _skip_rule_ctl()
     _start(ctl, waiting=0, running=64)
-    assert ctl.should_skip_drafting(1)
+    assert _skips(ctl)
 
 
-def test_probes_wait_out_prompt_steps(monkeypatch):
+def test_probes_wait_out_prompt_steps():
     """Skipping, a due probe is put off while a step takes in prompts, but by
     no more than another probe gap."""
-    from vllm_dspark.controller import controller as cc
-
-    monkeypatch.setattr(cc, "PROBE_LOSS_BUDGET", 1e9)  # probes as often as allowed: every PROBE_EVERY
-    ctl = _skip_rule_ctl()
-    for _ in range(cc.PROBE_EVERY - 1):
+    tuning = ControllerTuning(probe_loss_budget=1e9)  # probes as often as allowed: every probe_every
+    every = tuning.probe_every
+    ctl = _skip_rule_ctl(tuning)
+    for _ in range(every - 1):
         _start(ctl, waiting=0, running=64)
-        assert ctl.should_skip_drafting(1)
+        assert _skips(ctl)
     _start(ctl, waiting=0, running=64, prompt_tokens=47)
-    assert ctl.should_skip_drafting(1)  # due, but this step takes in a prompt
+    assert _skips(ctl)  # due, but this step takes in a prompt
     _start(ctl, waiting=0, running=64)
-    assert not ctl.should_skip_drafting(1)  # the probe
-    for _ in range(2 * cc.PROBE_EVERY - 1):
+    assert not _skips(ctl)  # the probe
+    for _ in range(2 * every - 1):
         _start(ctl, waiting=0, running=64, prompt_tokens=47)
-        assert ctl.should_skip_drafting(1)
+        assert _skips(ctl)
     _start(ctl, waiting=0, running=64, prompt_tokens=47)
-    assert not ctl.should_skip_drafting(1)  # prompts on every step: probed anyway
+    assert not _skips(ctl)  # prompts on every step: probed anyway
 
 
-def test_dormant_after_a_long_skip_until_drafting_pays(monkeypatch):
+def test_dormant_after_a_long_skip_until_drafting_pays():
     """Once 90% of the last dormant_after_steps steps skipped drafting, and
-    drafting still does not pay, the controller is dormant (the runner then
-    admits requests without drafter context). While dormant, the full rule
-    runs every DORMANT_RECHECK_EVERY steps; DORMANT_EXIT_CHECKS of them in a
-    row where drafting would pay end it, even if the request there has no
+    drafting still does not pay, the controller is dormant (requests admitted
+    from then on keep no drafter context). While dormant, the full rule runs
+    every dormant_recheck_every steps; dormant_exit_checks of them in a row
+    where drafting would pay end it, even if the request there has no
     context (those steps skip)."""
-    from vllm_dspark.controller import controller as cc
-
-    monkeypatch.setattr(cc, "PROBE_LOSS_BUDGET", 1e-9)  # probes as seldom as allowed
-    ctl = _skip_rule_ctl(dormant_after_steps=16)
+    tuning = ControllerTuning(probe_loss_budget=1e-9)  # probes as seldom as allowed
+    recheck = tuning.dormant_recheck_every
+    ctl = _skip_rule_ctl(tuning, dormant_after_steps=16)
     for _ in range(16):
         _start(ctl, waiting=0, running=64)
-        assert ctl.should_skip_drafting(1) and not ctl.dormant
-    _start(ctl, waiting=0, running=64)
-    seen = []  # the runner admits this step's new requests by this step's verdict
-    assert ctl.should_skip_drafting(1, draftable=lambda: seen.append(ctl.dormant) or 1)
-    assert seen == [True]
+        assert _skips(ctl) and not ctl.dormant
+    # The step that turns dormant admits its new request ("b") by its own verdict.
+    _start(ctl, waiting=0, running=64, new=("b",))
+    assert _skips(ctl, ("a", "b")) and ctl.dormant
+    assert ctl.ledger.among(["a", "b"]) == {"b"}
     # A lone check where drafting pays (a wave boundary) does not end it.
-    for running in (1,) * cc.DORMANT_RECHECK_EVERY + (64,) * cc.DORMANT_RECHECK_EVERY:
+    ctl.ledger.lose_all(["a"])
+    for running in (1,) * recheck + (64,) * recheck:
         _start(ctl, waiting=0, running=running)
-        assert ctl.should_skip_drafting(1, draftable=lambda: 0) and ctl.dormant
+        assert _skips(ctl) and ctl.dormant
     # Load gone: drafting pays, but the request left has no context (cap 0).
     # Two checks in a row end dormancy.
     dormant = []
-    for _ in range(2 * cc.DORMANT_RECHECK_EVERY):
+    for _ in range(2 * recheck):
         _start(ctl, waiting=0)
-        assert ctl.should_skip_drafting(1, caps=lambda: [0], draftable=lambda: 0)
+        assert _skips(ctl)
         dormant.append(ctl.dormant)
-    assert not dormant[-1] and dormant.index(False) >= cc.DORMANT_RECHECK_EVERY
+    assert not dormant[-1] and dormant.index(False) >= recheck
     _start(ctl, waiting=0)
-    assert not ctl.should_skip_drafting(1, draftable=lambda: 1)  # the next request has context: it drafts
-    never = _skip_rule_ctl(dormant_after_steps=0)
-    # A small batch's context is cheap to keep: no dormancy below DORMANT_MIN_REQS coming.
-    small = _skip_rule_ctl(dormant_after_steps=16, slo_tokens_per_s=1e6)  # never pays
+    assert not _skips(ctl, ("c",))  # the next request has context: it drafts
+    never = _skip_rule_ctl(tuning, dormant_after_steps=0)
+    # A small batch's context is cheap to keep: no dormancy below dormant_min_reqs coming.
+    small = _skip_rule_ctl(tuning, dormant_after_steps=16, slo_tokens_per_s=1e6)  # never pays
+    min_reqs = TUNING.dormant_min_reqs
     for _ in range(100):
         _start(never, waiting=0, running=64)
-        assert never.should_skip_drafting(1) and not never.dormant
-        _start(small, waiting=cc.DORMANT_MIN_REQS - 2, running=1)
-        assert small.should_skip_drafting(1) and not small.dormant
-    _start(small, waiting=cc.DORMANT_MIN_REQS - 1, running=1)
-    assert small.should_skip_drafting(1) and small.dormant
+        assert _skips(never) and not never.dormant
+        _start(small, waiting=min_reqs - 2, running=1)
+        assert _skips(small) and not small.dormant
+    _start(small, waiting=min_reqs - 1, running=1)
+    assert _skips(small) and small.dormant
 
 
-def test_dormancy_ends_only_where_drafting_pays_beyond_the_cost_models_error(monkeypatch):
+def test_dormancy_ends_only_where_drafting_pays_beyond_the_cost_models_error():
     """Dormant at 64 requests; then 8 are coming and drafting is cheap (re-
     pinned: 0.3 ms a block), so drafting pays 2-5x what drafting and
     verifying cost. Checks count toward ending dormancy only where the net
@@ -390,60 +405,55 @@ def test_dormancy_ends_only_where_drafting_pays_beyond_the_cost_models_error(mon
     500% error, yes at 100%. Checks with fewer than 8 requests coming count
     whatever the error (nothing drafts while dormant, so a far-off model must
     not hold a light load there)."""
-    from vllm_dspark.controller import controller as cc
-    from vllm_dspark.controller.cost_curve import CostCurve
-    from vllm_dspark.controller.cost_model import CostParams
-
-    monkeypatch.setattr(cc, "PROBE_LOSS_BUDGET", 1e-9)
+    tuning = ControllerTuning(probe_loss_budget=1e-9)
     ends = []
     for running, error in ((8, 5.0), (8, 1.0), (7, 5.0)):
-        ctl = _skip_rule_ctl(dormant_after_steps=16)
+        ctl = _skip_rule_ctl(tuning, dormant_after_steps=16)
         for _ in range(17):
             _start(ctl, waiting=0, running=64)
-            ctl.should_skip_drafting(1)
+            _skips(ctl)
         assert ctl.dormant
         linear = CostParams(5e-3, 1e-4, 1e-4)
-        ctl.pin_costs(CostCurve("cheap drafts", spec=linear, plain=linear, draft=CostParams(3e-4, 1e-5, 1e-6)), "t")
-        ctl._step_errors.extend([error] * 10)
+        ctl.costs.pin(CostCurve("cheap drafts", spec=linear, plain=linear, draft=CostParams(3e-4, 1e-5, 1e-6)), "t")
+        ctl.costs._errors.extend([error] * 10)
+        ctl.ledger.lose_all(["a"])
         checks = []
-        for _ in range(4 * cc.DORMANT_RECHECK_EVERY):
+        for _ in range(4 * tuning.dormant_recheck_every):
             _start(ctl, waiting=0, running=running)
-            ctl.should_skip_drafting(1, caps=lambda: [0], draftable=lambda: 0)
+            _skips(ctl)
             checks.append(ctl.dormant)
         ends.append(checks.index(False) if False in checks else None)
     assert ends[0] is None and ends[1] is not None and ends[2] is not None
 
 
-def test_dormant_engine_still_probes(monkeypatch):
+def test_dormant_engine_still_probes():
     """Dormant, with one request that has context, probes still come (at a
     recheck): they are what can tell that drafting pays again."""
-    from vllm_dspark.controller import controller as cc
-
-    monkeypatch.setattr(cc, "PROBE_LOSS_BUDGET", 1e-9)
-    monkeypatch.setattr(cc, "MAX_PROBE_EVERY", 32)  # a probe every 32 steps: 31 of 32 skip
-    ctl = _skip_rule_ctl(dormant_after_steps=16)
+    tuning = ControllerTuning(probe_loss_budget=1e-9, max_probe_every=32)  # 31 of 32 skip
+    ctl = _skip_rule_ctl(tuning, dormant_after_steps=16)
     skipped = []
     for _ in range(200):
         _start(ctl, waiting=0, running=64)
-        skipped.append(ctl.should_skip_drafting(1, draftable=lambda: 1))
+        skipped.append(_skips(ctl))
     assert ctl.dormant and not all(skipped[100:])
 
 
 def test_no_probe_without_a_request_that_has_context():
-    ctl = _ctl(slo_tokens_per_s=1e6)  # never pays; untrusted models: a probe every PROBE_EVERY
-    ctl.choose(["a"], torch.zeros(1, 4), [4], [True])
-    assert all(ctl.should_skip_drafting(1, draftable=lambda: 0) for _ in range(100))
-    assert not all(ctl.should_skip_drafting(1, draftable=lambda: 1) for _ in range(100))
+    ctl = _ctl(slo_tokens_per_s=1e6)  # never pays; untrusted models: a probe every probe_every
+    _choose(ctl, ["a"], torch.zeros(1, 4), [4], [True])
+    ctl.ledger.lose_all(["a"])
+    assert all(_skips(ctl, ("a",)) for _ in range(100))
+    assert not all(_skips(ctl, ("b",)) for _ in range(100))
 
 
 def test_blocks_that_verify_nothing_stay_out_of_the_skip_rule_window():
     """A block capped at 0 (no context, or dspark_max_verify=0) never gets an
     outcome; its confidences must not move what the skip rule expects."""
     ctl, alone = _ctl(policy="full"), _ctl(policy="full")
-    ctl.choose(["a", "x"], torch.tensor([[4.0] * 4, [-4.0] * 4]), [4, 0], [True, True])
-    alone.choose(["a"], torch.tensor([[4.0] * 4]), [4], [True])
-    surv, _ = ctl._window.estimate(ctl.calibrated)
-    assert surv == pytest.approx(alone._window.estimate(alone.calibrated)[0])
+    _choose(ctl, ["a", "x"], torch.tensor([[4.0] * 4, [-4.0] * 4]), [4, 0], [True, True])
+    _choose(alone, ["a"], torch.tensor([[4.0] * 4]), [4], [True])
+    surv, _ = ctl.acceptance.estimate()
+    assert surv == pytest.approx(alone.acceptance.estimate()[0])
     assert surv[0] > 0.9
 
 
@@ -453,20 +463,17 @@ def _depth_ctl(walk_s: float):
     accepted: survivals scaled to about 0.73, 0.72, 0.36, 0.18), on known
     costs: a 5.2 ms step, 0.1 ms per verified token, 1 ms of drafting plus
     ``walk_s`` per walked position."""
-    from vllm_dspark.controller import controller as cc
-    from vllm_dspark.controller.cost_model import CostParams
-
     ctl = _ctl(calibration=False)
     linear = CostParams(5e-3, 1e-4, 1e-4)
-    ctl.cost.pin(linear, "test")
-    ctl.plain_cost.pin(linear, "test")
-    for _ in range(cc.MIN_OBSERVATIONS):
-        ctl.draft_cost.observe(1, 4, 1e-3)
-        ctl.walk_cost.observe(1, 0, walk_s)
+    ctl.costs.verify.pin(linear, "test")
+    ctl.costs.plain.pin(linear, "test")
+    for _ in range(TUNING.cost.min_observations):
+        ctl.costs.draft.observe(1, 4, 1e-3)
+        ctl.costs.walk.observe(1, 0, walk_s)
     logits = torch.tensor([[4.0, 4.0, 0.0, 0.0]])
     for _ in range(50):
-        ctl.choose(["a"], logits, [4], [True])
-        ctl.verified(["a"], [4], [2])
+        _choose(ctl, ["a"], logits, [4], [True])
+        _verified(ctl, ["a"], [4], [2])
     _start(ctl, waiting=0)
     return ctl, logits
 
@@ -478,49 +485,43 @@ def test_walk_depth_is_where_another_position_stops_paying(walk_s, depth):
     0.9 ms) is not, position 3 (0.36, 1.9 ms) is; when walking costs
     nothing, 4 is too. Lengths then stop at the depth."""
     ctl, logits = _depth_ctl(walk_s)
-    assert not ctl.should_skip_drafting(1)
-    assert ctl.depth == depth
-    before = list(ctl.totals["depth_hist"])
-    lengths = ctl.choose(["a"], logits, [4], [True])
+    plan = ctl.plan(_Requests(["a"]))
+    assert plan.mode == "draft" and plan.depth == depth
+    before = list(ctl.telemetry.totals.depth_hist)
+    lengths = _choose(ctl, ["a"], logits, [4], [True])
     assert 0 < lengths[0] <= depth
-    assert ctl.totals["depth_hist"][depth] == before[depth] + 1
+    assert ctl.telemetry.totals.depth_hist[depth] == before[depth] + 1
 
 
 def test_walk_is_priced_only_once_measured_or_pinned():
     """Until the walk model has its observations (or a curve pins it), the
     drafting model stands for all of drafting and the walk is K deep; once
     known, drafting is its model plus depth times the walk's."""
-    from vllm_dspark.controller import controller as cc
-    from vllm_dspark.controller.cost_curve import CostCurve
-    from vllm_dspark.controller.cost_model import CostParams
-
-    ctl = _ctl()
-    for _ in range(cc.MIN_OBSERVATIONS):
-        ctl.draft_cost.observe(2, 8, 2e-3)
-    assert ctl._draft_seconds(2, 1) == ctl._draft_seconds(2, 4) == pytest.approx(2e-3, rel=0.05)
-    for _ in range(cc.MIN_OBSERVATIONS):
-        ctl.walk_cost.observe(2, 0, 3e-4)
-    assert ctl._draft_seconds(2, 3) == pytest.approx(2e-3 + 3 * 3e-4, rel=0.05)
+    costs = _ctl().costs
+    n = TUNING.cost.min_observations
+    for _ in range(n):
+        costs.draft.observe(2, 8, 2e-3)
+    assert costs.draft_seconds(2, 1) == costs.draft_seconds(2, 4) == pytest.approx(2e-3, rel=0.05)
+    for _ in range(n):
+        costs.walk.observe(2, 0, 3e-4)
+    assert costs.draft_seconds(2, 3) == pytest.approx(2e-3 + 3 * 3e-4, rel=0.05)
     # A pinned curve: its "draft" holds the whole walk unless it gives "walk".
     linear = CostParams(5e-3, 0.0, 1e-4)
-    ctl.pin_costs(CostCurve("c", spec=linear, plain=linear, draft=CostParams(1e-3, 0.0, 0.0)), "c")
-    assert ctl._draft_seconds(2, 1) == ctl._draft_seconds(2, 4) == pytest.approx(1e-3)
-    ctl.pin_costs(CostCurve("c", spec=linear, plain=linear, draft=CostParams(1e-3, 0.0, 0.0),
-                            walk=CostParams(2e-4, 1e-5, 0.0)), "c")
-    assert ctl._draft_seconds(2, 3) == pytest.approx(1e-3 + 3 * (2e-4 + 2e-5))
+    costs.pin(CostCurve("c", spec=linear, plain=linear, draft=CostParams(1e-3, 0.0, 0.0)), "c")
+    assert costs.draft_seconds(2, 1) == costs.draft_seconds(2, 4) == pytest.approx(1e-3)
+    costs.pin(CostCurve("c", spec=linear, plain=linear, draft=CostParams(1e-3, 0.0, 0.0),
+                        walk=CostParams(2e-4, 1e-5, 0.0)), "c")
+    assert costs.draft_seconds(2, 3) == pytest.approx(1e-3 + 3 * (2e-4 + 2e-5))
 
 
 def test_walk_time_trains_the_walk_model_and_leaves_the_drafting_model():
     """A drafting step's walk (timed apart by the proposer) trains the walk
     model per position; the drafting model learns the rest."""
-    from vllm_dspark.controller import controller as cc
-
-    ctl = _ctl()
-    ctl.depth = 2
-    for _ in range(cc.MIN_OBSERVATIONS):
-        ctl.record_step(4, 12, True, 0.010, 0.003, 4, walk_seconds=0.001, depth=2)
-    assert ctl.walk_cost.params.predict(4, 0) == pytest.approx(0.0005, rel=0.05)
-    assert ctl.draft_cost.params.predict(4, 16) == pytest.approx(0.002, rel=0.05)
+    costs = _ctl().costs
+    for _ in range(TUNING.cost.min_observations):
+        costs.observe(StepSample(4, 12, True, 0.010, 0.003, 4, walk_seconds=0.001, depth=2))
+    assert costs.walk.params.predict(4, 0) == pytest.approx(0.0005, rel=0.05)
+    assert costs.draft.params.predict(4, 16) == pytest.approx(0.002, rel=0.05)
 
 
 def test_drafting_is_judged_at_the_best_depth():
@@ -529,8 +530,6 @@ def test_drafting_is_judged_at_the_best_depth():
     (max_tokens) makes the deeper positions certain waste: at 2.5 ms a
     position, 1 deep (it pays there, not at K)."""
     ctl, _ = _depth_ctl(3e-3)
-    assert not ctl.should_skip_drafting(1)
-    assert ctl.depth == 2
+    assert ctl.plan(_Requests(["a"])) == ("draft", 2, frozenset())
     ctl, _ = _depth_ctl(2.5e-3)
-    assert not ctl.should_skip_drafting(1, caps=lambda: [1])
-    assert ctl.depth == 1
+    assert ctl.plan(_Requests(["a"], [1])) == ("draft", 1, frozenset())

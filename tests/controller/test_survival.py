@@ -1,20 +1,22 @@
 """The skip rule's estimate of what a drafted block yields (survival.py)."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from vllm_dspark.config import DSparkKnobs
-from vllm_dspark.controller import survival
 from vllm_dspark.controller.controller import DSparkController
+from vllm_dspark.controller.plan import DraftBlocks, VerifyOutcome
 from vllm_dspark.controller.survival import SurvivalWindow
+from vllm_dspark.controller.tuning import SurvivalTuning
 
 
-def test_estimate_uses_the_calibration_as_it_is_now(monkeypatch):
+def test_estimate_uses_the_calibration_as_it_is_now():
     """Blocks drafted while the calibration said 0.5 are re-read with the
     calibration of now (an average of past calibrated values lagged it by
     thousands of steps at batch 1)."""
-    monkeypatch.setattr(survival, "REFRESH_EVERY", 1)
-    w = SurvivalWindow(block_len=2)
+    w = SurvivalWindow(block_len=2, tuning=SurvivalTuning(refresh_every=1))
     w.add(torch.zeros(3, 2), [True] * 3)
     scale = [0.5]
     calibrate = lambda raw, greedy: torch.full_like(raw, scale[0])  # noqa: E731
@@ -24,9 +26,8 @@ def test_estimate_uses_the_calibration_as_it_is_now(monkeypatch):
     assert w.estimate(calibrate)[0] == pytest.approx([0.9, 0.81])
 
 
-def test_ratio_is_accepted_over_expected_of_verified_blocks(monkeypatch):
-    monkeypatch.setattr(survival, "MIN_EXPECTED", 1.0)
-    w = SurvivalWindow(block_len=2)
+def test_ratio_is_accepted_over_expected_of_verified_blocks():
+    w = SurvivalWindow(block_len=2, tuning=SurvivalTuning(min_expected=1.0))
     slots = w.add(torch.zeros(4, 2), [True] * 4)
     w.outcome(slots[:3], [2, 2, 1], [2, 1, 0])  # the fourth block was not verified
     calibrate = lambda raw, greedy: torch.full_like(raw, 0.5)  # noqa: E731
@@ -37,9 +38,8 @@ def test_ratio_is_accepted_over_expected_of_verified_blocks(monkeypatch):
     assert w.last == (mean, ratio)
 
 
-def test_window_keeps_the_latest_blocks_and_refreshes_at_its_pace(monkeypatch):
-    monkeypatch.setattr(survival, "REFRESH_EVERY", 3)
-    w = SurvivalWindow(block_len=1, window=4)
+def test_window_keeps_the_latest_blocks_and_refreshes_at_its_pace():
+    w = SurvivalWindow(block_len=1, tuning=SurvivalTuning(window=4, refresh_every=3))
     slots = w.add(torch.zeros(6, 1), [True] * 6)
     assert slots[:2] == [None, None] and sorted(slots[2:]) == [0, 1, 2, 3]
     first = w.estimate(lambda raw, greedy: torch.sigmoid(raw))
@@ -49,14 +49,14 @@ def test_window_keeps_the_latest_blocks_and_refreshes_at_its_pace(monkeypatch):
     assert w.estimate(calibrate)[0][0] > first[0][0]
 
 
-def test_older_blocks_weigh_less(monkeypatch):
+def test_older_blocks_weigh_less():
     """Blocks drafted many steps ago (another request, another text) hardly
     count against the latest probe's; blocks of one step count alike."""
-    monkeypatch.setattr(survival, "MIN_EXPECTED", 1.0)
-    w = SurvivalWindow(block_len=1)
+    tuning = SurvivalTuning(min_expected=1.0)
+    w = SurvivalWindow(block_len=1, tuning=tuning)
     old = w.add(torch.full((4, 1), -2.0), [True] * 4, step=0)
     w.outcome(old, [1] * 4, [0] * 4)
-    new = w.add(torch.full((2, 1), 2.0), [True] * 2, step=10 * survival.HALF_LIFE_STEPS)
+    new = w.add(torch.full((2, 1), 2.0), [True] * 2, step=10 * tuning.half_life_steps)
     w.outcome(new, [1, 1], [1, 1])
     mean, ratio = w.estimate(lambda raw, greedy: torch.sigmoid(raw))
     fresh = float(torch.sigmoid(torch.tensor(2.0)))
@@ -70,20 +70,19 @@ def test_skip_rule_drafts_once_calibration_shows_drafting_pays():
     ctl = DSparkController(DSparkKnobs(persist_cost_model=False), block_len=4)
     logits = torch.zeros(1, 4)
     for _ in range(200):
-        ctl.choose(["a"], logits, [4], [True])
-        ctl.verified(["a"], [4], [4])
-    learned = float(ctl.calibrated(logits, [True])[0, 0])
+        ctl.choose(DraftBlocks(["a"], logits, [4], [True]))
+        ctl.observe(VerifyOutcome(["a"], [4], [4]))
+    learned = float(ctl.acceptance.calibrated(logits, [True])[0, 0])
     assert learned > 0.8  # the calibrator moved (raw sigmoid(0) is 0.5)
-    ctl.should_skip_drafting(1)
-    mean, _ = ctl._window.last
+    ctl.plan(SimpleNamespace(req_ids=["a"], caps=lambda: [4]))
+    mean, _ = ctl.acceptance.window.last
     assert mean[0] == pytest.approx(learned, abs=0.02)
 
 
-def test_rows_wrap_around_the_ring(monkeypatch):
+def test_rows_wrap_around_the_ring():
     """A step whose rows run past the window's end writes the rest at its
     start, over the oldest blocks, and their slots say so."""
-    monkeypatch.setattr(survival, "REFRESH_EVERY", 1)
-    w = SurvivalWindow(block_len=1, window=4)
+    w = SurvivalWindow(block_len=1, tuning=SurvivalTuning(window=4, refresh_every=1))
     assert w.add(torch.tensor([[0.1], [0.2], [0.3]]), [True] * 3) == [0, 1, 2]
     assert w.add(torch.tensor([[0.5], [0.6], [0.7]]), [True] * 3) == [3, 0, 1]
     mean, _ = w.estimate(lambda raw, greedy: raw.clone())  # survival = the raw value

@@ -1,29 +1,36 @@
 """Controller traces: what a traced run writes reads back exactly, tracing off
 writes nothing, and malformed files are rejected with file, line and field."""
 
-import json
-
 import pytest
 import torch
 
 from vllm_dspark.config import DSparkKnobs
 from vllm_dspark.controller.controller import DSparkController
+from vllm_dspark.controller.plan import DraftBlocks, StepTiming, StepView, VerifyOutcome
 from vllm_dspark.controller.trace import TraceError, load_trace
 
 
 def _traced_run(trace_dir, steps=60):
+    """Steps of 2 requests that verify 8 tokens, each 10 ms + 1 ms per step so far."""
+    clock = [0.0]
     ctl = DSparkController(DSparkKnobs(policy="full", persist_cost_model=False, trace_dir=str(trace_dir)),
-                           block_len=3)
+                           block_len=3, now=lambda: clock[0])
     gen = torch.Generator().manual_seed(0)
-    written = []
-    for s in range(steps):
+    written, prev, logits = [], None, None
+    for s in range(steps + 1):
         ids = ["a", "b"] if s % 2 else ["b", "a"]  # rows reorder between steps
-        logits = torch.randn(2, 3, generator=gen)
-        ctl.choose(ids, logits, [3, 3], [True, False])
-        acc = [s % 4, 1]
-        ctl.verified(ids, [3, 3], acc)
-        written.append((ids, logits, acc))
-        ctl.record_step(2, 8, True, 0.01 + 0.001 * s, 0.002, 2)
+        ctl.begin_step(StepView(tuple(ids), (), (), None, 8, 0, s > 0))
+        if s == steps:
+            break
+        if s:  # the blocks drafted on the step before, in that step's row order
+            acc = [(s - 1) % 4, 1]
+            ctl.observe(VerifyOutcome(ids, [3, 3], acc))
+            row = prev.index("a")
+            written.append((logits[row].tolist(), row == 0, acc[ids.index("a")]))
+        prev, logits = ids, torch.randn(2, 3, generator=gen)
+        ctl.choose(DraftBlocks(ids, logits, [3, 3], [True, False]))
+        clock[0] += 0.01 + 0.001 * s
+        ctl.end_step(StepTiming(0.002, 2))
     ctl.close()
     return ctl, written
 
@@ -33,11 +40,10 @@ def test_trace_round_trip(tmp_path):
     trace = load_trace(tmp_path)
     assert trace.block_len == 3 and len(trace.steps) == 60 and trace.costs is not None
     a = trace.requests[next(k for k in trace.requests if k.endswith(":a"))]
-    assert len(a) == 60
-    for (ids, logits, acc), (raw, cal, greedy, n, accepted) in zip(written, a):
-        row = ids.index("a")
-        assert raw == pytest.approx(logits[row].tolist(), abs=1e-4) and n == 3 and accepted == acc[row]
-        assert greedy == (row == 0)
+    assert len(a) == 59  # the last step's blocks are never verified
+    for (logits, was_greedy, acc), (raw, cal, greedy, n, accepted) in zip(written, a):
+        assert raw == pytest.approx(logits, abs=1e-4) and n == 3 and accepted == acc
+        assert greedy == was_greedy
         assert all(0.0 <= c <= 1.0 for c in cal)
     assert [s["seconds"] for s in trace.steps][:2] == pytest.approx([0.01, 0.011])
 
@@ -45,11 +51,14 @@ def test_trace_round_trip(tmp_path):
 def test_tracing_off_writes_nothing(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     ctl = DSparkController(DSparkKnobs(policy="full", persist_cost_model=False), block_len=3)
-    ctl.choose(["a"], torch.zeros(1, 3), [3], [True])
-    ctl.verified(["a"], [3], [1])
-    ctl.record_step(1, 4, True, 0.01, 0.0, 1)
+    for verifies in (False, True):
+        ctl.begin_step(StepView(("a",), (), (), None, 4, 0, verifies))
+        if verifies:
+            ctl.observe(VerifyOutcome(["a"], [3], [1]))
+        ctl.choose(DraftBlocks(["a"], torch.zeros(1, 3), [3], [True]))
+        ctl.end_step(StepTiming(0.0, 1))
     ctl.close()
-    assert ctl._trace is None and not list(tmp_path.iterdir())
+    assert ctl.telemetry.trace is None and not list(tmp_path.iterdir())
 
 
 BAD = {

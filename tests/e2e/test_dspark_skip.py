@@ -42,9 +42,11 @@ def test_requests_admitted_while_dormant_are_never_drafted(llm, identity_prompts
 
 
 def _end_dormancy_drafting_every_step(worker) -> bool:
+    from vllm_dspark.controller.policies import FullPolicy
+
     ctl = worker.model_runner.dspark
-    ctl.knobs = ctl.knobs.model_copy(update={"policy": "full"})
-    ctl.dormant = False
+    ctl.policy = FullPolicy()
+    ctl.dormancy.dormant = False
     return True
 
 

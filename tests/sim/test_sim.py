@@ -68,9 +68,13 @@ class _Recorder:
     def __init__(self, policy):
         self.policy, self.name, self.seen, self.step = policy, policy.name, [], -1
 
-    def skip(self, r):
+    @property
+    def ran_plain(self):
+        return self.policy.ran_plain
+
+    def skip(self, ids):
         self.step += 1  # the replay asks once per step, first
-        return self.policy.skip(r)
+        return self.policy.skip(ids)
 
     def lengths(self, *args):
         out = self.policy.lengths(*args)
@@ -109,7 +113,7 @@ def test_verified_per_request_falls_as_load_rises(trace):
     per_request = []
     for r in (1, 4, 16, 64):
         blocks = draw_blocks(trace, r, 200, seed=3)
-        policy = ControllerPolicy("adaptive", trace.block_len, {"policy": "adaptive"}, pinned=steep)
+        policy = ControllerPolicy("adaptive", trace.block_len, {"policy": "adaptive"}, curve, pinned=steep)
         res = replay(policy, blocks, curve, warmup=50)
         per_request.append(res.verified / max(res.drafted_steps, 1) / r)
     assert all(a >= b for a, b in zip(per_request, per_request[1:])), per_request

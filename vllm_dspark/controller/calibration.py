@@ -24,36 +24,23 @@ batched at each refit, which keeps the per-step cost to an append.
 
 import torch
 
-ECE_BINS = 10
-DECAY = 0.999  # per observed step
-RIDGE = 1e-2  # keeps the 2x2 Newton system well posed before data arrives
-# The fit's statistics: decayed weights of accepted and rejected outcomes per
-# position and raw-logit bin. Memory and refit cost stay bounded whatever the
-# traffic; a 0.25-wide logit bin is well inside the fit's own noise.
-Z_MIN, Z_MAX, Z_BIN = -12.0, 12.0, 0.25
-MIN_WEIGHT = 10.0  # a position is refitted once it has this much outcome weight
-NEWTON_ITERS = 8
-# Newton stops early once no parameter moves more than this (far inside the
-# fit's statistical noise): warm-started from the last fit, it gets there in
-# two or three iterations, each ~100 us of small tensor ops on this CPU.
-NEWTON_TOL = 1e-4
-# Calibrated logit = alpha z + beta stays within these bounds (alpha >= 0: the
-# head's ranking is never reversed).
-PARAM_BOUND = 20.0
+from vllm_dspark.controller.tuning import CalibrationTuning
 
 
 class PositionCalibrator:
-    def __init__(self, num_positions: int, refit_every: int = 20):
+    def __init__(self, num_positions: int, tuning: CalibrationTuning = CalibrationTuning()):
         k = num_positions
-        self.refit_every = refit_every
+        self.tuning = tuning
+        self.refit_every = tuning.refit_every
         self._steps = 0
         self._queued: list[tuple[list[list[float]], list[int], list[int]]] = []  # unscored steps
-        nb = int(round((Z_MAX - Z_MIN) / Z_BIN)) + 1
-        self._z_centers = torch.linspace(Z_MIN, Z_MAX, nb, dtype=torch.float64)
+        nb = int(round((tuning.z_max - tuning.z_min) / tuning.z_bin)) + 1
+        self._z_centers = torch.linspace(tuning.z_min, tuning.z_max, nb, dtype=torch.float64)
         self._w_acc = torch.zeros(k, nb, dtype=torch.float64)
         self._w_rej = torch.zeros(k, nb, dtype=torch.float64)
         # ECE bins per position: count, sum of predictions, sum of outcomes.
-        self._bins = {kind: torch.zeros(k, ECE_BINS, 3, dtype=torch.float64) for kind in ("raw", "calibrated")}
+        self._bins = {kind: torch.zeros(k, tuning.ece_bins, 3, dtype=torch.float64)
+                      for kind in ("raw", "calibrated")}
         self._set_params(torch.ones(k, dtype=torch.float64), torch.zeros(k, dtype=torch.float64))
 
     def _set_params(self, alpha: torch.Tensor, beta: torch.Tensor) -> None:
@@ -107,24 +94,26 @@ class PositionCalibrator:
 
     def _score(self, z, pos, y) -> None:
         for kind, prob in (("raw", torch.sigmoid(z)), ("calibrated", torch.sigmoid(z * self.alpha[pos] + self.beta[pos]))):
-            b = (prob * ECE_BINS).long().clamp(max=ECE_BINS - 1)
+            bins = self.tuning.ece_bins
+            b = (prob * bins).long().clamp(max=bins - 1)
             table = self._bins[kind]
             for col, val in enumerate((torch.ones_like(prob), prob, y)):
                 table[..., col].index_put_((pos, b), val, accumulate=True)
 
     def _refit(self) -> None:
+        t = self.tuning
         observed = self._score_queued()
-        decay = DECAY ** self.refit_every
+        decay = t.decay ** self.refit_every
         self._w_acc *= decay
         self._w_rej *= decay
         if observed is not None:
             z, p, y = observed
-            b = ((z.clamp(Z_MIN, Z_MAX) - Z_MIN) / Z_BIN).round().long()
+            b = ((z.clamp(t.z_min, t.z_max) - t.z_min) / t.z_bin).round().long()
             self._w_acc.index_put_((p, b), y, accumulate=True)
             self._w_rej.index_put_((p, b), 1.0 - y, accumulate=True)
-        ready = (self._w_acc + self._w_rej).sum(1) >= MIN_WEIGHT
+        ready = (self._w_acc + self._w_rej).sum(1) >= t.min_weight
         if bool(ready.any()):
-            alpha, beta = _platt_newton(self._z_centers, self._w_acc, self._w_rej, self.alpha, self.beta)
+            alpha, beta = _platt_newton(self._z_centers, self._w_acc, self._w_rej, self.alpha, self.beta, t)
             self._set_params(torch.where(ready, alpha, self.alpha), torch.where(ready, beta, self.beta))
 
     def ece(self, kind: str = "calibrated") -> list[float | None]:
@@ -144,20 +133,21 @@ class PositionCalibrator:
                 "ece_raw": self.ece("raw"), "ece_calibrated": self.ece("calibrated")}
 
 
-def _platt_newton(z, w_acc, w_rej, alpha, beta):
+def _platt_newton(z, w_acc, w_rej, alpha, beta, t: CalibrationTuning):
     """Weighted logistic regression of outcome on logit, per position, from
     (alpha, beta): z [NB] bin centres, w_acc / w_rej [K, NB] outcome weights.
     Newton steps with the 2x2 systems solved in closed form for all K at once."""
     w = w_acc + w_rej
-    for _ in range(NEWTON_ITERS):
+    ridge = t.ridge
+    for _ in range(t.newton_iters):
         p = torch.sigmoid(alpha[:, None] * z + beta[:, None])
         r = w * p - w_acc
-        g_a = (r * z).sum(1) + RIDGE * (alpha - 1.0)
-        g_b = r.sum(1) + RIDGE * beta
+        g_a = (r * z).sum(1) + ridge * (alpha - 1.0)
+        g_b = r.sum(1) + ridge * beta
         h = w * p * (1.0 - p)
-        h_aa = (h * z * z).sum(1) + RIDGE
+        h_aa = (h * z * z).sum(1) + ridge
         h_ab = (h * z).sum(1)
-        h_bb = h.sum(1) + RIDGE
+        h_bb = h.sum(1) + ridge
         det = h_aa * h_bb - h_ab * h_ab
         d_a = (h_bb * g_a - h_ab * g_b) / det
         d_b = (h_aa * g_b - h_ab * g_a) / det
@@ -167,6 +157,6 @@ def _platt_newton(z, w_acc, w_rej, alpha, beta):
         shrink = torch.clamp(move, min=1.0)
         alpha = alpha - torch.nan_to_num(d_a / shrink)
         beta = beta - torch.nan_to_num(d_b / shrink)
-        if float(torch.nan_to_num(move, nan=0.0).max()) < NEWTON_TOL:
+        if float(torch.nan_to_num(move, nan=0.0).max()) < t.newton_tol:
             break
-    return alpha.clamp(0.0, PARAM_BOUND), beta.clamp(-PARAM_BOUND, PARAM_BOUND)
+    return alpha.clamp(0.0, t.param_bound), beta.clamp(-t.param_bound, t.param_bound)

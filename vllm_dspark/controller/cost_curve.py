@@ -21,6 +21,7 @@ measured their GPU once use it like SGLang's cost table; the tests use it to
 make the controller's choices independent of the machine's speed.
 """
 
+import functools
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -85,10 +86,18 @@ def curve_from_json(data: object, where: str = "cost curve") -> CostCurve:
 
 
 def load_cost_curve(path: str | Path) -> CostCurve:
-    """Read and check a curve file; ValueError says what is wrong and where."""
+    """Read and check a curve file; ValueError says what is wrong and where.
+    A file is read once per version (path, size and modification time)."""
     p = Path(path)
     if not p.is_file():
         raise ValueError(f"{str(path)!r} is not a file; give the path of a JSON cost curve")
+    st = p.stat()
+    return _load(str(path), str(p.resolve()), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=16)
+def _load(path: str, resolved: str, size: int, mtime_ns: int) -> CostCurve:
+    p = Path(resolved)
     try:
         data = json.loads(p.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:

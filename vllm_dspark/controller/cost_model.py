@@ -17,7 +17,6 @@ It runs on every step, so it is plain Python on three features (a 3x3
 solve), not torch: a handful of small torch ops costs more than the math.
 """
 
-import hashlib
 import json
 import math
 import os
@@ -27,30 +26,9 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
-# Forgetting factor: observations older than ~1/(1-lambda) steps fade out.
-FORGETTING = 0.99
-# Prior: 5 ms per step, 0.1 ms per request, nothing per token (verification
-# is assumed free until measured), and its weight in units of observations
-# (per coefficient, on the feature scales below).
-PRIOR = (5e-3, 1e-4, 0.0)
-PRIOR_WEIGHT = 0.01
-# Features are [1, R / 8, B / 64]: at batch 1 a verify step's B spans 1..K+1,
-# and on coarser scales that spread is too small against the ridge for the
-# per-token cost to be learned (it stayed near the prior).
-FEATURE_SCALE = (1.0, 8.0, 64.0)
-# Steps whose time exceeds this multiple of the prediction are stalls (GC, a
-# neighbour burst, a blocked queue): they update the error statistics but not
-# the fit.
-OUTLIER_RATIO = 4.0
-SCHEMA_VERSION = 5  # 5: the drafting model no longer holds the Markov walk
-# The reported error is over this many recent steps (the early steps, made
-# with the prior, say little about the fit).
-ERROR_WINDOW = 500
-# The fit is redone after every observation while it is young, then every
-# REFIT_EVERY (the statistics still take in every step). A refit is ~20 µs of
-# Python; with a forgetting horizon of ~100 steps, 8 steps of lag cost nothing.
-REFIT_WARMUP = 64
-REFIT_EVERY = 8
+from vllm_dspark.controller.tuning import CostModelTuning
+
+SCHEMA_VERSION = 5  # of the saved file; 5: the drafting model no longer holds the Markov walk
 
 
 @dataclass(frozen=True)
@@ -67,17 +45,18 @@ class CostParams:
 
 class OnlineCostModel:
     def __init__(self, fingerprint: str = "", cache_dir: Path | None = None,
-                 forgetting: float = FORGETTING):
+                 tuning: CostModelTuning = CostModelTuning()):
         self.fingerprint = fingerprint
         self.path = (cache_dir / f"cost_model_{fingerprint}.json") if cache_dir and fingerprint else None
-        self.forgetting = forgetting
-        self._prior = [p * s for p, s in zip(PRIOR, FEATURE_SCALE)]  # in scaled units
+        self.tuning = tuning
+        self._scale = tuning.feature_scale
+        self._prior = [p * s for p, s in zip(tuning.prior, self._scale)]  # in scaled units
         self.xtx = [[0.0] * 3 for _ in range(3)]  # decayed sum of x x^T
         self.xty = [0.0] * 3  # decayed sum of x y
         self.theta = list(self._prior)
         self._params = self._to_params()
         self.observations = 0
-        self.errors: deque[float] = deque(maxlen=ERROR_WINDOW)  # |pred - measured| / measured
+        self.errors: deque[float] = deque(maxlen=tuning.error_window)  # |pred - measured| / measured
         self.loaded_from: str | None = None
         self.pinned = False
         if self.path is not None and self.path.is_file():
@@ -89,9 +68,14 @@ class OnlineCostModel:
         return self._params
 
     def _to_params(self) -> CostParams:
-        t0, tr, tt = (t / s for t, s in zip(self.theta, FEATURE_SCALE))
+        t0, tr, tt = (t / s for t, s in zip(self.theta, self._scale))
         # Physical floor: a step never gets cheaper with more work.
         return CostParams(max(t0, 1e-6), max(tr, 0.0), max(tt, 1e-7))
+
+    @property
+    def trusted(self) -> bool:
+        """Pinned, or fitted on enough steps to be believed."""
+        return self.pinned or self.observations >= self.tuning.min_observations
 
     def pin(self, params: CostParams, source: str) -> None:
         """Use ``params`` from now on: no learning, no saving (a cost curve
@@ -104,23 +88,26 @@ class OnlineCostModel:
         pred = self.params.predict(num_reqs, num_tokens)
         rel_err = abs(pred - seconds) / max(seconds, 1e-9)
         self.errors.append(rel_err)
-        if self.pinned or (self.observations > 20 and seconds > OUTLIER_RATIO * pred):
+        tuning = self.tuning
+        if self.pinned or (self.observations > tuning.min_observations and seconds > tuning.outlier_ratio * pred):
             return rel_err
-        x = (1.0 / FEATURE_SCALE[0], num_reqs / FEATURE_SCALE[1], num_tokens / FEATURE_SCALE[2])
-        lam = self.forgetting
+        scale = self._scale
+        x = (1.0 / scale[0], num_reqs / scale[1], num_tokens / scale[2])
+        lam = tuning.forgetting
         for row, xi in zip(self.xtx, x):  # in place: three of these run every step
             row[0] = lam * row[0] + xi * x[0]
             row[1] = lam * row[1] + xi * x[1]
             row[2] = lam * row[2] + xi * x[2]
         self.xty = [lam * y + xi * seconds for y, xi in zip(self.xty, x)]
         self.observations += 1
-        if self.observations <= REFIT_WARMUP or self.observations % REFIT_EVERY == 0:
+        if self.observations <= tuning.refit_warmup or self.observations % tuning.refit_every == 0:
             self._solve()
         return rel_err
 
     def _solve(self) -> None:
-        a = [[self.xtx[i][j] + (PRIOR_WEIGHT if i == j else 0.0) for j in range(3)] for i in range(3)]
-        b = [self.xty[i] + PRIOR_WEIGHT * self._prior[i] for i in range(3)]
+        w = self.tuning.prior_weight
+        a = [[self.xtx[i][j] + (w if i == j else 0.0) for j in range(3)] for i in range(3)]
+        b = [self.xty[i] + w * self._prior[i] for i in range(3)]
         self.theta = _solve_nonnegative(a, b)
         self._params = self._to_params()
 
@@ -151,7 +138,7 @@ class OnlineCostModel:
         n = self.xtx[0][0]
         if n < 1.0:
             return False
-        scale = FEATURE_SCALE[1]
+        scale = self._scale[1]
         mean = self.xtx[0][1] / n * scale
         std = math.sqrt(max(self.xtx[1][1] / n * scale * scale - mean * mean, 0.0))
         return abs(num_reqs - mean) <= max(2.0 * std, 0.25 * mean)
@@ -241,10 +228,4 @@ def _solve_nonnegative(a: list[list[float]], b: list[float]) -> list[float]:
         if obj < best_obj:
             best, best_obj = cand, obj
     return best
-
-
-def fingerprint(*parts: object) -> str:
-    """Stable short hash of what determines the cost curve."""
-    text = json.dumps([str(p) for p in parts])
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
 

@@ -1,44 +1,27 @@
 """What the skip rule expects a drafted block to yield, from recent blocks.
 
-The last WINDOW drafted blocks' raw confidences are kept with their outcomes
-(tokens verified, tokens accepted). The estimate is their mean survival per
+The last ``SurvivalTuning.window`` drafted blocks' raw confidences are kept
+with their outcomes (tokens verified, tokens accepted). The estimate is their mean survival per
 position, calibrated with the calibration as it is now, and the ratio of the
 tokens those blocks had accepted to what that survival expected of them (what
 calibration still gets wrong on average).
 
-An average of survivals as they were calibrated when drafted (the previous
-rule) lagged the calibration: it starts uncalibrated, and at batch 1, where
-probes come tens of steps apart, it took thousands of steps to catch up,
-skipping all the while where drafting paid 10-20%.
-
-Blocks weigh less as they age, in engine steps (half-life HALF_LIFE_STEPS):
-what a block yields depends on the request and the text, and while drafting
-is skipped blocks come only from probes, one per request. At batch 1 a probe
-every ~60 steps took 128 probes to turn the window over, so after a request
-whose blocks did not pay, the next one went undrafted where drafting paid
-(a c=1 benchmark run skipped 901 of 2,783 steps while full K=7 beat no
-speculation by 17%). Weighted, the last few probes decide; with blocks every
-step they count about alike, as before. In-process c=1 runs on four
-prompts: without the weights the engine left the skip mode in its third
-round; with a 64-step half-life in its first, then skipped 5-15% of steps
-(flapping on single probes); with 128, in its first, then skipped 0-1.
+Blocks weigh less as they age, in engine steps (half-life
+``SurvivalTuning.half_life_steps``): what a block yields depends on the request
+and the text, and while drafting is skipped blocks come only from probes, one
+per request, so the last few probes must decide (docs/tuning.md has the runs).
 """
 
 import torch
 
-WINDOW = 128
-# Recomputed at most every this many estimates once new blocks or outcomes
-# came in (a few small torch ops; the estimate moves slowly).
-REFRESH_EVERY = 8
-# Below this many expected tokens among verified blocks (weighted), the ratio is 1.
-MIN_EXPECTED = 20.0
-HALF_LIFE_STEPS = 128.0
+from vllm_dspark.controller.tuning import SurvivalTuning
 
 
 class SurvivalWindow:
-    def __init__(self, block_len: int, window: int = WINDOW):
+    def __init__(self, block_len: int, tuning: SurvivalTuning = SurvivalTuning()):
         self.k = block_len
-        self.size = window
+        self.tuning = tuning
+        self.size = window = tuning.window
         # Rows of confidences as one tensor (a step writes its rows with one or
         # two slice copies); the rest per slot in plain lists: a step sets a
         # few entries, which as tensor writes cost more than the estimate.
@@ -99,15 +82,16 @@ class SurvivalWindow:
         the estimate changes only with the blocks, outcomes and calibration."""
         if self._count == 0:
             return None
-        if self._cached is None or (self._stale and self._age >= REFRESH_EVERY):
+        t = self.tuning
+        if self._cached is None or (self._stale and self._age >= t.refresh_every):
             n = self._count
             steps = torch.tensor(self._step[:n], dtype=torch.float64)
-            weight = torch.pow(0.5, (steps.max() - steps) / HALF_LIFE_STEPS).float()
+            weight = torch.pow(0.5, (steps.max() - steps) / t.half_life_steps).float()
             surv = torch.cumprod(calibrate(self._raw[:n], self._greedy[:n]).float(), dim=1)
             reached = torch.arange(self.k)[None, :] < torch.tensor(self._verified[:n])[:, None]
             expected = float((weight[:, None] * surv * reached).sum())
             accepted = float((weight * torch.tensor(self._accepted[:n], dtype=torch.float32)).sum())
-            ratio = min(max(accepted / expected, 0.5), 2.0) if expected >= MIN_EXPECTED else 1.0
+            ratio = min(max(accepted / expected, 0.5), 2.0) if expected >= t.min_expected else 1.0
             mean = (weight[:, None] * surv).sum(0) / weight.sum()
             self._cached = (mean.tolist(), ratio)
             self._stale, self._age = False, 0

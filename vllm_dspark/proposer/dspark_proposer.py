@@ -22,6 +22,7 @@ skip rule's survival estimates for the whole block.
 
 import copy
 import time
+from typing import NamedTuple
 
 import torch
 from vllm.forward_context import set_forward_context
@@ -32,6 +33,16 @@ from vllm_dspark.proposer.context_queue import ContextQueue
 from vllm_dspark.sampling import RowParams, inverse_cdf_sample, processed_probs
 
 logger = get_logger(__name__)
+
+
+class DraftOutput(NamedTuple):
+    """One propose()'s blocks, for the runner to hand to the controller."""
+
+    tokens: torch.Tensor  # [B, K] int64; past ``depth`` the parallel stage's argmax
+    probs: torch.Tensor | None  # [B, depth, V] float32 draft probabilities (None: every request greedy)
+    confidence: torch.Tensor  # [B, K] float32 raw confidence logits
+    walk_seconds: float  # the Markov walk's time (its per-position loop)
+    depth: int  # positions walked
 
 
 def _as_method(vllm_config, method: str):
@@ -63,9 +74,8 @@ class DSparkProposer(DFlashProposer):
         self.speculative_config = vllm_config.speculative_config
         self.block_len = self.speculative_config.num_speculative_tokens  # K
         self.num_speculative_tokens = self.block_len - 1  # masks after the anchor
-        self.last_confidence: torch.Tensor | None = None  # [B, K] raw logits, this step's blocks
-        self.depth = self.block_len  # positions the Markov head walks on the next propose()
-        self.last_walk_seconds = 0.0  # the last propose()'s Markov walk (its per-position loop)
+        self._depth = self.block_len  # positions the Markov head walks on the next propose()
+        self._draft: DraftOutput | None = None  # the last propose()'s, until taken
         self.context_queue = ContextQueue(self._write_context)  # skipped steps' context
         self._markov: torch.Tensor | None = None  # see _markov_matrix
         self._markov_key: tuple | None = None
@@ -86,10 +96,10 @@ class DSparkProposer(DFlashProposer):
     ) -> torch.Tensor:
         """Draft one block of K tokens per request: [B, K] token ids.
 
-        The draft probabilities (for sampled requests) and the confidences are
-        kept on the proposer for the runner to pick up. The runner calls
-        flush_context() first (and times it apart), so the skipped steps'
-        context is in the draft KV cache before this step's."""
+        The whole draft (confidences, walk time) waits in ``take_draft()`` for
+        the runner; the draft probabilities also go where vLLM's runner reads
+        them. The runner calls flush_context() first (and times it apart), so
+        the skipped steps' context is in the draft KV cache before this step's."""
         k = self.block_len
         self.num_speculative_tokens = k - 1
         self._last_draft_probs = None
@@ -118,11 +128,19 @@ class DSparkProposer(DFlashProposer):
             hidden = self.model(**inputs)
         # The query rows are request-major: K consecutive rows per request.
         hidden = hidden[: batch * k].view(batch, k, -1)
-        tokens, probs, conf = self._sample_block(hidden, next_token_ids[:batch].long(), sampling_metadata,
-                                                 self.depth)
-        self._last_draft_probs = probs
-        self.last_confidence = conf
-        return tokens
+        draft = self._sample_block(hidden, next_token_ids[:batch].long(), sampling_metadata, self._depth)
+        self._last_draft_probs = draft.probs
+        self._draft = draft
+        return draft.tokens
+
+    def set_depth(self, depth: int) -> None:
+        """The walk depth of the coming propose() (the controller's plan)."""
+        self._depth = depth
+
+    def take_draft(self) -> DraftOutput | None:
+        """The last propose()'s draft, once (None if there was none since)."""
+        draft, self._draft = self._draft, None
+        return draft
 
     def defer_context(self, aux_hidden_states: list[torch.Tensor], positions: torch.Tensor,
                       slot_mapping: torch.Tensor, req_ids: list[str] | None = None,
@@ -173,14 +191,11 @@ class DSparkProposer(DFlashProposer):
 
     @torch.inference_mode()
     def _sample_block(self, hidden: torch.Tensor, anchors: torch.Tensor, sampling_metadata,
-                      depth: int | None = None):
+                      depth: int | None = None) -> DraftOutput:
         """Markov head left to right for ``depth`` positions (default K), then
-        the confidence head.
-
-        hidden [B, K, H]; anchors [B]. Returns tokens [B, K] int64, draft
-        probabilities [B, depth, V] float32 (None if every request is greedy)
-        and confidence logits [B, K] float32. Past ``depth`` the tokens are
-        the parallel stage's argmax and only their confidences are of use."""
+        the confidence head. hidden [B, K, H]; anchors [B]. Past ``depth`` the
+        tokens are the parallel stage's argmax and only their confidences are
+        of use."""
         batch, k, h = hidden.shape
         depth = k if depth is None else max(1, min(depth, k))
         base = self.model.compute_draft_logits(hidden.reshape(batch * k, h)).view(batch, k, -1).float()
@@ -209,7 +224,7 @@ class DSparkProposer(DFlashProposer):
             tokens.append(token)
             embeds.append(embed)
             prev = token
-        self.last_walk_seconds = time.perf_counter() - t0
+        walk_seconds = time.perf_counter() - t0
         walked = torch.stack(tokens, dim=1)
         embeds = torch.stack(embeds, dim=1)
         if depth < k:
@@ -221,4 +236,4 @@ class DSparkProposer(DFlashProposer):
             hidden.reshape(batch * k, h), embeds.reshape(batch * k, -1)
         ).view(batch, k).float()
         draft_probs = torch.stack(probs, dim=1) if sampled else None
-        return walked, draft_probs, conf
+        return DraftOutput(walked, draft_probs, conf, walk_seconds, depth)

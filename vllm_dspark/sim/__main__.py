@@ -1,7 +1,7 @@
 """Trace-driven simulator: replay recorded DSpark traces under every policy, on
 CPU-measured and GPU-class step-cost curves, from batch 1 to 256.
 
-    python -m vllm_dspark.sim --out DIR
+    python -m vllm_dspark.sim --out benchmarks/results/latest/sim
     python -m vllm_dspark.sim --out DIR --trace my_traces/ --curve my_gpu.json --batch-sizes 1 8 64
 
 Writes DIR/summary.json (one record per curve, batch size and policy:
@@ -9,7 +9,8 @@ tokens_per_s, per_request_tokens_per_s, oracle_fraction), DIR/targets.json
 (the targets of the simulator issue, checked), DIR/validation.json (replay
 against the measured run the trace came from), DIR/calibration.json (per
 position ECE of raw and online-calibrated confidences over the trace),
-DIR/curves.json (every curve's constants) and one PNG per curve.
+DIR/curves.json (every curve's constants), DIR/provenance.json (commit,
+command, machine) and one PNG per curve.
 """
 
 import argparse
@@ -196,6 +197,9 @@ def main(argv=None) -> dict:
         (args.out / "validation.json").write_text(json.dumps(validation, indent=1))
     calibration = calibration_report(trace)
     (args.out / "calibration.json").write_text(json.dumps(calibration, indent=1))
+    from vllm_dspark.benchmarking import provenance
+
+    (args.out / "provenance.json").write_text(json.dumps(provenance(sys.argv if argv is None else argv), indent=1))
     for mode, rep in calibration.items():
         fmt = lambda xs: " ".join("-" if x is None else f"{x:.3f}" for x in xs)  # noqa: E731
         print(f"[sim] calibration ({mode}, {rep['blocks']} blocks) ECE per position raw: {fmt(rep['ece_raw'])}"

@@ -9,7 +9,8 @@ target accepted in the full-block trace (acceptance is a prefix property, so
 a shorter verification accepts the same first tokens). A step costs
 T_spec(R, R + sum L) + T_draft(R) when the policy drafted, else T_plain(R, R)
 (T_nospec(R, R) for the engine without speculation, which on a CPU is
-cheaper than a speculating engine's skipped step). Prefill is left out: these
+cheaper than a speculating engine's skipped step, and for a step the
+controller runs plain while dormant). Prefill is left out: these
 are decode-only, closed-loop batches.
 """
 
@@ -84,10 +85,11 @@ def _play_step(policy, curve, plain, ids, raw, prev_raw, greedy, accepted):
     """One step of ``len(ids)`` requests: the policy decides (skip, then
     lengths) before it sees the outcomes, which it is shown last. Returns
     (lengths or None, accepted drafts per request, target seconds, drafting
-    seconds)."""
+    seconds). A step the policy ran plain costs a no-spec engine's step."""
     r = len(ids)
-    if policy.skip(r):
-        lengths, got, target_s, draft_s = None, np.zeros(r, np.int64), float(plain(r, r)), 0.0
+    if policy.skip(ids):
+        price = curve.nospec if policy.ran_plain else plain
+        lengths, got, target_s, draft_s = None, np.zeros(r, np.int64), float(price(r, r)), 0.0
         tokens = r
     else:
         lengths = policy.lengths(ids, raw, prev_raw, greedy)
@@ -151,7 +153,8 @@ def replay_waves(policy, trace, wave: int, max_tokens: int, prompt_tokens: int, 
 
 def oracle(blocks: Blocks, curve, warmup: int = WARMUP_STEPS, iters: int = 30) -> Result:
     """The best any policy could do on these blocks and this curve, knowing
-    every outcome: per step, skip drafting (R tokens, T_plain) or draft and
+    every outcome: per step, skip drafting (R tokens, the cheaper of T_plain
+    and T_nospec: a dormant engine's plain step) or draft and
     verify m of the sum-of-a accepted drafts (R + m tokens, T_spec(R, R + m) +
     T_draft). Whole-run throughput sum(n) / sum(t) is maximised exactly by
     Dinkelbach's iteration: pick each step's option maximising n - theta t,
@@ -163,7 +166,8 @@ def oracle(blocks: Blocks, curve, warmup: int = WARMUP_STEPS, iters: int = 30) -
     total = acc.sum(1)  # accepted drafts available per step
     m = np.arange(int(total.max()) + 1)
     spec_t = curve.spec(r, r + m) + curve.draft(r)  # [M]
-    plain_t = float(curve.plain(r, r))
+    # A step without drafts at its cheapest: a dormant engine runs it as a no-spec step.
+    plain_t = min(float(curve.plain(r, r)), float(curve.nospec(r, r)))
     valid = m[None, :] <= total[:, None]  # [steps, M]
     theta, best = 0.0, None
     for _ in range(iters):

@@ -1,7 +1,7 @@
 """The policies the simulator compares, each seeing one step at a time.
 
 Every policy answers two questions per step, in this order:
-  1. ``skip(R)``: draft at all this step? (decided from past steps only);
+  1. ``skip(ids)``: draft at all this step? (decided from past steps only);
   2. ``lengths(...)``: how many of each request's K drafted tokens to verify,
      from this step's confidences (or, for ``stale``, the previous step's).
 Only then does the simulator reveal the outcomes (``observe``). The controller
@@ -14,9 +14,12 @@ import numpy as np
 import torch
 
 from vllm_dspark.config import DSparkKnobs
+from vllm_dspark.controller.acceptance import AcceptanceModel
 from vllm_dspark.controller.controller import DSparkController
 from vllm_dspark.controller.cost_curve import CostCurve
 from vllm_dspark.controller.cost_model import CostParams
+from vllm_dspark.controller.plan import DraftBlocks, StepTiming, StepView, VerifyOutcome
+from vllm_dspark.controller.tuning import ControllerTuning
 
 # Confidence logit given to a request's first block by ``stale`` (it has no
 # previous step): sigmoid(0) = 0.5.
@@ -26,8 +29,9 @@ HINDSIGHT_BINS = 20
 
 class Policy:
     name = "policy"
+    ran_plain = False  # the last step ran as a step without speculation (priced as no-spec)
 
-    def skip(self, num_reqs: int) -> bool:
+    def skip(self, ids: list[str]) -> bool:
         return False
 
     def lengths(self, ids: list[str], raw: np.ndarray, prev_raw: np.ndarray, greedy: list[bool]) -> np.ndarray:
@@ -43,7 +47,7 @@ class NoSpec(Policy):
     name = "nospec"
     no_drafter = True
 
-    def skip(self, num_reqs):
+    def skip(self, ids):
         return True
 
 
@@ -56,31 +60,62 @@ class FixedK(Policy):
 
 
 class ControllerPolicy(Policy):
-    """The plugin's DSparkController: it chooses, learns the step costs from the
-    simulated times (record_step, as from measured ones when serving) unless
-    ``pinned``, and calibrates online unless handed ``calibrators``."""
+    """The plugin's DSparkController, driven through the engine's own calls
+    (begin_step, observe, plan, choose, end_step) in the engine's order: a
+    step's target verifies the drafts of the step before, and what that costs
+    on ``curve`` reaches the controller through a simulated clock, so it
+    learns its costs as when serving (unless ``pinned``) and calibrates online
+    (unless handed an ``acceptance`` model). A step the controller runs plain
+    (dormant) is priced as a step of an engine without speculation, as the
+    runner's plain steps are."""
 
-    def __init__(self, name: str, block_len: int, knobs: dict, pinned: CostCurve | None = None,
-                 calibrators: dict | None = None, stale: bool = False):
-        self.name, self.stale = name, stale
-        self.ctl = DSparkController(DSparkKnobs(persist_cost_model=False, **knobs), block_len)
+    def __init__(self, name: str, block_len: int, knobs: dict, curve, pinned: CostCurve | None = None,
+                 acceptance: AcceptanceModel | None = None, stale: bool = False):
+        self.name, self.stale, self.curve = name, stale, curve
+        self._now = 0.0
+        self.ctl = DSparkController(DSparkKnobs(persist_cost_model=False, **knobs), block_len,
+                                    acceptance=acceptance, plain_steps=True, now=lambda: self._now)
         if pinned is not None:
-            self.ctl.pin_costs(pinned, pinned.name)
-        if calibrators is not None:
-            self.ctl.calibrators = calibrators
+            self.ctl.costs.pin(pinned, pinned.name)
+        self._live: set[str] = set()
+        self._last: VerifyOutcome | None = None  # the drafts this step verifies
+        self._target_s = 0.0
 
-    def skip(self, num_reqs):
-        return self.ctl.should_skip_drafting(num_reqs)
+    def skip(self, ids):
+        r, last, live = len(ids), self._last, set(ids)
+        verified = sum(last.num_verified) if last is not None else 0
+        view = StepView(tuple(ids), tuple(i for i in ids if i not in self._live), tuple(self._live - live),
+                        None, r + verified, 0, verified > 0)
+        self._live, self._last = live, None
+        self.ran_plain = self.ctl.begin_step(view) is not None
+        self._target_s = float(self.curve.spec(r, r + verified) if verified
+                               else (self.curve.nospec if self.ran_plain else self.curve.plain)(r, r))
+        if self.ran_plain:
+            return True
+        if verified:
+            self.ctl.observe(last)
+        return self.ctl.plan(_SimRequests(list(ids), [self.ctl.k] * r)).mode == "skip"
 
     def lengths(self, ids, raw, prev_raw, greedy):
         conf = torch.from_numpy(prev_raw if self.stale else raw).float()
-        return np.asarray(self.ctl.choose(ids, conf, [raw.shape[1]] * len(ids), greedy), dtype=np.int64)
+        return np.asarray(self.ctl.choose(DraftBlocks(list(ids), conf, [raw.shape[1]] * len(ids), greedy)),
+                          dtype=np.int64)
 
     def observe(self, ids, lengths, accepted, num_reqs, tokens, target_s, draft_s, drafted):
+        self._now += self._target_s + draft_s
+        self.ctl.end_step(StepTiming(draft_s, drafted))
         if lengths is not None:
-            self.ctl.verified(ids, [int(n) for n in lengths], [int(a) for a in accepted])
-        self.ctl.record_step(num_reqs, tokens, lengths is not None and int(lengths.sum()) > 0,
-                             target_s + draft_s, draft_s, drafted)
+            self._last = VerifyOutcome(list(ids), [int(n) for n in lengths], [int(a) for a in accepted])
+
+
+class _SimRequests:
+    """plan.RequestView over the simulator's slots (no request caps below K)."""
+
+    def __init__(self, req_ids: list[str], caps: list[int]):
+        self.req_ids, self._caps = req_ids, caps
+
+    def caps(self) -> list[int]:
+        return self._caps
 
 
 class HindsightCalibrator:
@@ -134,15 +169,17 @@ def make_policies(trace, curve, num_reqs: int, fixed_ks=(1, 3, 7), threshold: fl
     """Fresh policies for one (curve, batch size) run. ``profiled`` is the
     profiled-once linear table ``stale`` uses (fit_linear of the curve)."""
     k = trace.block_len
-    hindsight = {"greedy": HindsightCalibrator(trace, True), "sampled": HindsightCalibrator(trace, False)}
+    hindsight = AcceptanceModel(k, ControllerTuning(), calibrators={
+        "greedy": HindsightCalibrator(trace, True), "sampled": HindsightCalibrator(trace, False)})
     policies: list[Policy] = [NoSpec()]
     policies += [FixedK(n) for n in fixed_ks if n <= k]
     policies += [
-        ControllerPolicy("threshold", k, {"policy": "threshold", "threshold": threshold}),
-        ControllerPolicy("adaptive", k, {"policy": "adaptive"}),
-        ControllerPolicy("stale", k, {"policy": "adaptive", "calibration": False}, pinned=profiled, stale=True),
-        ControllerPolicy("flat-table", k, {"policy": "adaptive", "calibration": False},
+        ControllerPolicy("threshold", k, {"policy": "threshold", "threshold": threshold}, curve),
+        ControllerPolicy("adaptive", k, {"policy": "adaptive"}, curve),
+        ControllerPolicy("stale", k, {"policy": "adaptive", "calibration": False}, curve, pinned=profiled,
+                         stale=True),
+        ControllerPolicy("flat-table", k, {"policy": "adaptive", "calibration": False}, curve,
                          pinned=flat_table(curve, num_reqs)),
-        ControllerPolicy("calibrated-bound", k, {"policy": "adaptive"}, calibrators=hindsight),
+        ControllerPolicy("calibrated-bound", k, {"policy": "adaptive"}, curve, acceptance=hindsight),
     ]
     return policies

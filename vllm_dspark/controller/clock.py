@@ -1,0 +1,65 @@
+"""Step timing: how long each step took, the engine's gap after it included.
+
+The engine's work between two steps (the engine core taking in one step's
+output and scheduling the next) grows with what that step produced, so a
+verify step leaves a longer gap than a plain one. It is charged to the step
+before it: a step's sample is held until the next step starts, then recorded
+with that gap. A gap longer than ``max_engine_gap_s`` is idle time; the step
+is charged its kind's usual gap (an EMA) instead.
+"""
+
+import time
+from collections.abc import Callable
+from typing import NamedTuple
+
+from vllm_dspark.controller.tuning import ControllerTuning
+
+
+class StepSample(NamedTuple):
+    """One step, as the cost models learn from it."""
+
+    reqs: int  # requests in the step
+    tokens: int  # tokens the target ran
+    verifies: bool  # its target step verified drafts
+    seconds: float  # the whole step, gap after it included, queued-context writes excluded
+    draft_seconds: float  # of which the drafting path
+    drafted: int  # blocks drafted (0: none)
+    walk_seconds: float = 0.0  # of draft_seconds, the Markov walk (0: not timed apart)
+    depth: int = 0  # positions walked
+
+
+class StepClock:
+    def __init__(self, tuning: ControllerTuning, now: Callable[[], float] = time.perf_counter):
+        self._now = now  # the simulator passes its own clock
+        self._max_gap, self._ema = tuning.max_engine_gap_s, tuning.gap_ema
+        self._t_start: float | None = None
+        self._t_end: float | None = None
+        self._gap = {False: 0.0, True: 0.0}  # usual gap after a plain / a verify step
+        self._held: StepSample | None = None
+
+    def begin(self) -> StepSample | None:
+        """A step starts; returns the step before it, complete with its gap
+        (None when no step is held)."""
+        now = self._now()
+        held, self._held = self._held, None
+        if held is not None:
+            gap = now - self._t_end
+            if gap < self._max_gap:
+                self._gap[held.verifies] = self._ema * self._gap[held.verifies] + (1 - self._ema) * gap
+            else:
+                gap = self._gap[held.verifies]
+            held = held._replace(seconds=held.seconds + gap)
+        self._t_start = now
+        return held
+
+    def end(self) -> float | None:
+        """The step ends; its seconds since ``begin`` (None: none began)."""
+        if self._t_start is None:
+            return None
+        self._t_end = now = self._now()
+        start, self._t_start = self._t_start, None
+        return now - start
+
+    def hold(self, sample: StepSample) -> None:
+        """Record ``sample`` at the next ``begin``, once the gap after it is known."""
+        self._held = sample

@@ -1,0 +1,70 @@
+"""Which live requests keep drafter context.
+
+A request admitted while the controller is dormant gets none: it is never
+drafted (its verify cap is 0) and its context is neither queued nor written,
+for the rest of its life. While no other request in the step has context, one
+of the new ones keeps it: probes need one, and they are what tells when
+drafting pays again. A step run without speculation (plain) gives the drafter
+no context, so every request in it loses its own.
+"""
+
+from collections.abc import Container, Iterable
+
+_NONE: frozenset[str] = frozenset()
+
+
+class ContextLedger:
+    def __init__(self):
+        self._without: set[str] = set()
+
+    def __len__(self) -> int:
+        return len(self._without)
+
+    def forget(self, finished: Iterable[str]) -> None:
+        """Requests that finished hold no context to track."""
+        if self._without and finished:
+            self._without.difference_update(finished)
+
+    def admit(self, new_ids: tuple[str, ...], req_ids: list[str], dormant: bool) -> tuple[int, int]:
+        """This step's new requests, among ``req_ids``: (how many were admitted
+        without context, how many of ``req_ids`` have context)."""
+        without = self._without
+        added = 0
+        if dormant and new_ids:
+            new = list(new_ids)
+            fresh = set(new)
+            if not any(rid not in without and rid not in fresh for rid in req_ids):
+                new = new[1:]
+            without.update(new)
+            added = len(new)
+        contexts = len(req_ids) - sum(rid in without for rid in req_ids) if without else len(req_ids)
+        return added, contexts
+
+    def lose_all(self, req_ids: Iterable[str]) -> None:
+        """A plain step: every request in it keeps no context."""
+        self._without.update(req_ids)
+
+    def zero_caps(self, req_ids: list[str], caps: list[int]) -> list[int]:
+        """``caps`` with 0 for the requests without context."""
+        without = self._without
+        return [0 if rid in without else c for rid, c in zip(req_ids, caps)] if without else caps
+
+    def among(self, req_ids: list[str]) -> frozenset[str]:
+        """Those of ``req_ids`` without context."""
+        without = self._without
+        return frozenset(rid for rid in req_ids if rid in without) if without else _NONE
+
+    def wanted(self, live: Container[str]) -> Container[str]:
+        """The request ids whose queued context is still to be written: in
+        ``live`` (the runner's requests) and with context."""
+        return _Wanted(live, self._without)
+
+
+class _Wanted:
+    __slots__ = ("_live", "_without")
+
+    def __init__(self, live: Container[str], without: set[str]):
+        self._live, self._without = live, without
+
+    def __contains__(self, req_id: str) -> bool:
+        return req_id in self._live and req_id not in self._without

@@ -1,0 +1,135 @@
+"""What a step will cost: four online step-time models and the bridge between two of them.
+
+  verify  T_spec(R, B)   a target step that verifies drafts (R requests, B tokens)
+  plain   T_plain(R, B)  a target step that does not
+  draft   T_draft(R)     drafting R blocks, less the Markov walk
+  walk    T_walk(R)      one position of the Markov walk over R blocks
+
+The engine runs mostly one kind of target step at a time, so when the load
+moves, the model of the other kind extrapolates in R from another batch size
+(badly: fitted at one R it splits a step between t0 and t_req arbitrarily).
+A model that has not seen about this R lately is replaced by the other one
+plus or minus the verify path's measured overhead (an EMA over plain steps).
+"""
+
+from collections import deque
+from pathlib import Path
+from typing import NamedTuple
+
+from vllm_dspark.controller.clock import StepSample
+from vllm_dspark.controller.cost_curve import CostCurve
+from vllm_dspark.controller.cost_model import CostParams, OnlineCostModel
+from vllm_dspark.controller.tuning import ControllerTuning
+
+
+class CostEstimate(NamedTuple):
+    """Predicted seconds for the next step."""
+
+    base: float  # a verify step, less its drafts
+    plain: float  # a plain step
+    draft: float  # drafting, at the depth asked for
+    per_token: float  # each verified draft token
+
+
+class StepCosts:
+    def __init__(self, block_len: int, tuning: ControllerTuning, fingerprint: str = "",
+                 cache_dir: Path | None = None, price_walk: bool = True):
+        self.k = block_len
+        self._overhead_ema = tuning.overhead_ema
+
+        def model(kind: str) -> OnlineCostModel:
+            return OnlineCostModel(f"{fingerprint}-{kind}" if fingerprint else "", cache_dir, tuning.cost)
+
+        self.verify, self.plain, self.draft, self.walk = (model(k) for k in ("spec", "plain", "draft", "walk"))
+        self._price_walk = price_walk  # the adaptive_depth knob
+        self._overhead: float | None = None  # verify step minus plain step, same R and B
+        self._errors: deque[float] = deque(maxlen=tuning.cost.error_window)  # whole-step prediction error
+
+    def pin(self, curve: CostCurve, source: str) -> None:
+        """Use ``curve``'s fixed costs instead of learning them online."""
+        for model, params in ((self.verify, curve.spec), (self.plain, curve.plain),
+                              (self.draft, curve.draft), (self.walk, curve.walk)):
+            if params is not None:
+                model.pin(params, source)
+
+    def walk_priced(self) -> bool:
+        """Is the walk priced apart (and so its depth chosen)? Not when the
+        knob says no, nor while its model is young, nor with a pinned cost
+        curve without a "walk" (its drafting cost holds the walk)."""
+        return self._price_walk and self.walk.trusted and (self.walk.pinned or not self.draft.pinned)
+
+    def draft_seconds(self, rows: int, depth: int) -> float:
+        """Predicted drafting time for ``rows`` blocks walked ``depth`` deep."""
+        par = self.draft.params.predict(rows, rows * self.k)
+        return par + depth * self.walk.params.predict(rows, 0) if self.walk_priced() else par
+
+    def predict(self, rows: int, prefill: int, depth: int) -> CostEstimate:
+        """The next step with ``rows`` decoding requests beside ``prefill``
+        prompt tokens, drafting ``depth`` deep."""
+        tokens = rows + prefill
+        spec = self.verify.params
+        spec_base = spec.predict(rows, tokens)
+        plain = self.plain.params.predict(rows, tokens) if self.plain.trusted else spec_base
+        over = self._overhead
+        if over is not None:
+            fresh_spec, fresh_plain = self.verify.covers(rows), self.plain.covers(rows)
+            if fresh_spec and not fresh_plain:
+                plain = max(spec_base - over, 1e-6)
+            elif fresh_plain and not fresh_spec:
+                spec_base = plain + over
+        # A verify step never costs less than a plain one with the same tokens;
+        # until verify steps have been seen (all skipped, or cut to nothing),
+        # the plain model stands in for them.
+        base = max(spec_base, plain) if self.verify.trusted else plain
+        return CostEstimate(base, plain, self.draft_seconds(rows, depth), spec.t_tok)
+
+    def token_value(self, coming: int) -> float:
+        """Seconds of engine time one more token is worth: what a plain decode
+        step spends per token at the batch about to run (``coming``: every
+        admitted or queued request, not this step's rows; prompt work left out,
+        it makes a step's tokens look dear only while it lasts)."""
+        return self.predict(coming, 0, self.k).plain / coming
+
+    def observe(self, s: StepSample) -> float:
+        """Learn from one step; returns what the models predicted for it."""
+        target = self.verify if s.verifies else self.plain
+        target_seconds = max(s.seconds - (s.draft_seconds if s.drafted else 0.0), 1e-6)
+        predicted = target.params.predict(s.reqs, s.tokens)
+        if not s.verifies and self.verify.trusted and self.verify.covers(s.reqs):
+            over = self.verify.params.predict(s.reqs, s.tokens) - target_seconds
+            self._overhead = (over if self._overhead is None
+                              else self._overhead_ema * self._overhead + (1 - self._overhead_ema) * over)
+        if s.drafted:
+            walked = s.depth > 0 and s.walk_seconds > 0
+            predicted += self.draft_seconds(s.drafted, s.depth if walked else self.k)
+            self.draft.observe(s.drafted, s.drafted * self.k,
+                               s.draft_seconds - s.walk_seconds if walked else s.draft_seconds)
+            if walked:
+                self.walk.observe(s.drafted, 0, s.walk_seconds / s.depth)
+        target.observe(s.reqs, s.tokens, target_seconds)
+        self._errors.append(abs(predicted - s.seconds) / s.seconds)
+        return predicted
+
+    def model_error(self) -> float:
+        """Mean relative error of the recent whole-step predictions (0 before any)."""
+        errors = self._errors
+        return sum(errors) / len(errors) if errors else 0.0
+
+    def mape(self) -> float | None:
+        return 100.0 * self.model_error() if self._errors else None
+
+    def params_json(self) -> dict:
+        return {"cost_params": vars(self.verify.params), "plain_cost_params": vars(self.plain.params),
+                "draft_cost_params": vars(self.draft.params), "walk_cost_params": vars(self.walk.params)}
+
+    def trace_json(self) -> dict:
+        """The fits a trace records; its drafting cost is a whole K-deep
+        block's (the simulator drafts those)."""
+        par, walk = self.draft.params, self.walk.params
+        if self.walk_priced():
+            par = CostParams(par.t0 + self.k * walk.t0, par.t_req + self.k * walk.t_req, par.t_tok)
+        return {"spec": vars(self.verify.params), "plain": vars(self.plain.params), "draft": vars(par)}
+
+    def save(self) -> None:
+        for model in (self.verify, self.plain, self.draft, self.walk):
+            model.save()

@@ -1,0 +1,155 @@
+"""The drafting gate (policy adaptive): does drafting pay this step, how deep
+should the Markov head walk, and when does a probe or a plain step run anyway.
+
+Drafting pays when the tokens the best lengths for recent confidences would
+gain are worth more engine time than drafting and verifying them costs. The
+best lengths are the adaptive op's, in closed form for a batch of average
+requests (``admitted_levels``); a gained token is valued at what a plain
+decode step spends per token at the batch about to run. The same closed form,
+cut at each depth d <= K, picks the walk depth that saves the most.
+
+While drafting does not pay, probe steps draft anyway to keep the estimates
+fresh, paced so that they give up about ``probe_loss_budget`` of the
+throughput; while it pays, one step in ``explore_every`` skips, so the plain
+step's cost stays measured (it is what drafting is judged against).
+"""
+
+import math
+from typing import NamedTuple
+
+from vllm_dspark.controller.costs import StepCosts
+from vllm_dspark.controller.plan import StepView
+from vllm_dspark.controller.policies import step_limits
+from vllm_dspark.controller.tuning import ControllerTuning
+
+
+class Verdict(NamedTuple):
+    net: float  # seconds drafting saves this step (negative: what it loses)
+    depth: int  # the walk depth that saves the most
+    spend: float  # what drafting and verifying cost at that depth
+
+
+class Assessment:
+    """One step's inputs to the gate, priced once; ``best`` may then be asked
+    with and without the requests' caps."""
+
+    def __init__(self, k: int, estimate: tuple[list[float], float], costs: StepCosts, view: StepView,
+                 rows: int, slo: float | None):
+        mean_surv, ratio = estimate
+        est = costs.predict(rows, view.prefill_tokens, k)
+        self.k, self.rows, self.plain = k, rows, est.plain
+        self._base, self._draft_k, self._per_token = est.base, est.draft, est.per_token
+        self._limits = step_limits(view, rows, slo)
+        surv = [min(1.0, s * ratio) for s in mean_surv]
+        self._levels = [s / p if p > 0 else 0.0 for s, p in zip(surv, [1.0, *surv[:-1]])]
+        self._value = costs.token_value(view.coming(rows))
+        self._shallow = costs.walk_priced()
+        self._walk = costs.walk.params.predict(rows, 0) if self._shallow else 0.0
+
+    def best(self, counts: list[int] | None = None) -> Verdict:
+        """The depth that saves the most (ties: the deeper walk, more to learn
+        from). The levels admitted at depth K are cut at each depth: a
+        shallower walk makes the step cheaper, which would admit a level less
+        only where it barely pays either way. ``counts[j]`` of the requests
+        may verify position j (default: all)."""
+        k, base = self.k, self._base
+        taken = admitted_levels(self._levels, self.rows, base + self._draft_k, self._per_token, *self._limits, counts)
+        best, n, gain = None, 0, 0.0
+        for depth in range(1, k + 1):
+            if depth <= len(taken):
+                take, level_surv = taken[depth - 1]
+                n, gain = n + take, gain + take * level_surv
+            if depth == k or self._shallow:
+                spend = base - self.plain + self._draft_k - self._walk * (k - depth) + self._per_token * n
+                net = gain * self._value - spend
+                if best is None or net >= best.net:
+                    best = Verdict(net, depth, spend)
+        return best
+
+
+class DraftGate:
+    def __init__(self, block_len: int, tuning: ControllerTuning, slo_tokens_per_s: float | None):
+        self.k, self.slo = block_len, slo_tokens_per_s
+        t = tuning
+        self._probe_every, self._max_probe_every = t.probe_every, t.max_probe_every
+        self._budget, self._explore_every = t.probe_loss_budget, t.explore_every
+        self._skips_in_row = 0  # skipped steps since the last drafting one
+        self._since_skip = 0  # steps since the last skip
+
+    def assess(self, estimate, costs: StepCosts, view: StepView, rows: int) -> Assessment:
+        return Assessment(self.k, estimate, costs, view, rows, self.slo)
+
+    def skipped(self) -> None:
+        """A step skipped without the rule (dormant): a probe falls due as it would have."""
+        self._skips_in_row += 1
+
+    def drafts(self, net: float, plain: float, contexts: int, view: StepView, costs: StepCosts) -> bool:
+        """Draft this step, given what drafting would save (``net``), a plain
+        step's cost and how many requests have drafter context?"""
+        pays = net > 0
+        self._since_skip += 1
+        # Drafting is judged against the plain step, and no other model can
+        # stand in for it: until it is trusted, plain steps come at the probes' pace.
+        explore = self._since_skip >= (self._explore_every if costs.plain.trusted else self._probe_every)
+        probe_every = self._probe_every
+        # The drafting model is measured by every probe; the verify-step model
+        # may never be (when the best lengths are 0, a probe verifies nothing).
+        if costs.draft.trusted:
+            # Throughput one probe gives up, in plain steps' worth.
+            loss = max(0.0, -net) / plain
+            probe_every = min(self._max_probe_every, max(self._probe_every, math.ceil(loss / self._budget)))
+        # A probe waits out steps that take in prompts (it would draft every
+        # fresh request's first block at the dearest moment), up to another
+        # probe gap (prompts may arrive on every step).
+        due = self._skips_in_row + 1
+        probe = due >= 2 * probe_every or (due >= probe_every and not view.takes_prompts)
+        if ((pays and not explore) or probe) and contexts:
+            self._skips_in_row = 0
+            return True
+        self._skips_in_row = 0 if explore else self._skips_in_row + 1
+        self._since_skip = 0
+        return False
+
+
+def level_counts(caps: list[int], k: int) -> list[int]:
+    """How many requests may verify position j (cap > j), for j < k."""
+    hist = [0] * (k + 1)
+    for c in caps:
+        hist[min(max(c, 0), k)] += 1
+    counts, above = [], len(caps)
+    for j in range(k):
+        above -= hist[j]
+        counts.append(above)
+    return counts
+
+
+def admitted_levels(conf: list[float], rows: int, base_cost: float, token_cost: float,
+                    max_step_time: float, max_tokens: int,
+                    counts: list[int] | None = None) -> list[tuple[int, float]]:
+    """ops.adaptive_lengths for ``rows`` requests with the same conditional
+    confidences ``conf`` [K], in closed form: (tokens admitted, their
+    survival) per position, up to the last admitted; ``counts[j]`` of the
+    requests may verify position j (default: all).
+    Candidates come level by level (every row's position j, then j + 1);
+    adding one of survival a to n admitted with survival sum S raises goodput
+    iff a * (base + token_cost * n) > token_cost * (rows + S), and both sides
+    grow by a * token_cost per admission, so a level is admitted whole or not
+    at all, except where a cap cuts it."""
+    n, gain, surv = 0, 0.0, 1.0
+    out = []
+    limit = max_tokens
+    if token_cost > 0 and math.isfinite(max_step_time):
+        limit = min(limit, int(math.floor((max_step_time - base_cost) / token_cost + 1e-9)))
+    for j, c in enumerate(conf):
+        surv *= min(max(c, 0.0), 1.0)
+        if surv <= 0 or surv * (base_cost + token_cost * n) <= token_cost * (rows + gain):
+            break
+        level = rows if counts is None else counts[j]
+        take = min(level, limit - n)
+        if take <= 0:
+            break
+        n, gain = n + take, gain + take * surv
+        out.append((take, surv))
+        if take < level:
+            break
+    return out

@@ -1,0 +1,95 @@
+"""Verify policies: how many of each block's drafted tokens to verify.
+
+Chosen once from the ``policy`` knob (``make_policy``), behind one
+``lengths`` method, as vLLM's DraftLengthPolicy is. Each sees this step's
+calibrated confidences [B, K] and per-row caps [B], both known before the
+drafted tokens are looked at; confidences of position j come from tokens
+before j, so every cut is non-anticipating and verification stays lossless.
+"""
+
+import math
+from typing import Protocol
+
+import torch
+
+from vllm_dspark import ops
+from vllm_dspark.config import DSparkKnobs
+from vllm_dspark.controller.costs import StepCosts
+from vllm_dspark.controller.plan import StepView
+from vllm_dspark.controller.tuning import ControllerTuning
+
+
+class VerifyPolicy(Protocol):
+    name: str
+    gates_drafting: bool  # the drafting gate runs (skip, depth, dormancy): adaptive only
+
+    def lengths(self, conf: torch.Tensor, cap: torch.Tensor, costs: StepCosts, view: StepView,
+                depth: int) -> torch.Tensor:
+        """Verify lengths [B] int32, each within its cap."""
+
+
+class FullPolicy:
+    """Verify every drafted token (within caps)."""
+
+    name, gates_drafting = "full", False
+
+    def lengths(self, conf, cap, costs, view, depth):
+        return cap
+
+
+class ThresholdPolicy:
+    """The longest prefix whose cumulative calibrated confidence is at least ``threshold``."""
+
+    name, gates_drafting = "threshold", False
+
+    def __init__(self, threshold: float):
+        self.threshold = threshold
+
+    def lengths(self, conf, cap, costs, view, depth):
+        return ops.confidence_cutoff(conf, self.threshold, cap)
+
+
+class AdaptivePolicy:
+    """Goodput-optimal lengths for the predicted cost of the next step
+    (ops.adaptive_lengths), within the SLO's step-time cap and, while
+    requests wait, the scheduler's token headroom."""
+
+    name, gates_drafting = "adaptive", True
+
+    def __init__(self, tuning: ControllerTuning, slo_tokens_per_s: float | None):
+        self.slo = slo_tokens_per_s
+        self._every, self._shift, self._spread = tuning.vary_lengths_every, tuning.vary_shift, tuning.min_token_spread
+        self._choices = 0
+        self._rng = torch.Generator().manual_seed(0)
+
+    def lengths(self, conf, cap, costs, view, depth):
+        rows = conf.shape[0]
+        self._choices += 1
+        est = costs.predict(rows, view.prefill_tokens, depth)
+        lengths = ops.adaptive_lengths(conf, cap, est.base + est.draft, est.per_token, *step_limits(view, rows, self.slo))
+        # While verify steps all carry about the same tokens the per-token cost
+        # is not identified: now and then every length moves by one common
+        # random shift, drawn without looking at the drafts (still lossless).
+        if (self._choices % self._every == 0 and not costs.verify.pinned
+                and costs.verify.token_spread() < self._spread):
+            shift = int(torch.randint(-self._shift, self._shift + 1, (1,), generator=self._rng))
+            lengths = torch.minimum(torch.clamp(lengths + shift, min=0), cap).to(torch.int32)
+        return lengths
+
+
+def step_limits(view: StepView, rows: int, slo_tokens_per_s: float | None) -> tuple[float, int]:
+    """(step-time cap from the SLO floor, draft-token cap from the headroom):
+    while requests are queued, drafts may only use budget prefills leave free."""
+    load = view.load
+    max_tokens = 1 << 30
+    if load is not None and load.waiting > 0:
+        max_tokens = max(0, load.token_budget - rows - view.prefill_tokens)
+    return (1.0 / slo_tokens_per_s if slo_tokens_per_s else math.inf), max_tokens
+
+
+def make_policy(knobs: DSparkKnobs, tuning: ControllerTuning) -> VerifyPolicy:
+    if knobs.policy == "full":
+        return FullPolicy()
+    if knobs.policy == "threshold":
+        return ThresholdPolicy(knobs.threshold)
+    return AdaptivePolicy(tuning, knobs.slo_tokens_per_s)
