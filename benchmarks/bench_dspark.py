@@ -222,6 +222,34 @@ def plot(record: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+ARM_TITLES = {"nospec": "no-spec", "dspark-k7": "full K=7", "dspark-k3": "full K=3", "dspark-k1": "full K=1",
+              "dspark-threshold": "threshold 0.3", "dspark-adaptive": "**adaptive** (default)"}
+
+
+def results_table(record: dict) -> str:
+    """A run as the README shows it (tok/s, ratio to no-spec; the head-to-head
+    verdict of adaptive against the best other arm), with its machine."""
+    arms = [a for a in ARM_TITLES if a in record["arms"]]
+    rate = {a: {r["concurrency"]: r for r in record["arms"][a]} for a in arms}
+    duels = record.get("head_to_head") or {}
+    m = record["machine"]
+    lines = [f"{m['cpu']} x{m['cores']}" + (f" ({', '.join(m['cpu_flags'])})" if m.get("cpu_flags") else "")
+             + f", {m['date'][:10]}, tok/s (× no-spec):", "",
+             "| c | " + " | ".join(ARM_TITLES[a] for a in arms) + " | adaptive / best other, head to head |",
+             "|---" * (len(arms) + 2) + "|"]
+    for c in sorted(rate[arms[0]]):
+        cells = []
+        for a in arms:
+            r = rate[a][c]
+            ratio = r.get("speedup_vs_nospec")
+            cells.append(f"{r['tokens_per_s']:,.0f}" + (f" ({ratio:.2f}×)" if ratio is not None and a != "nospec" else ""))
+        duel = duels.get(str(c)) or duels.get(c)
+        verdict = (f"{duel['median']:.3f} vs {ARM_TITLES[duel['against']].strip('*')} "
+                   f"({duel['interval90'][0]:.2f}–{duel['interval90'][1]:.2f})") if duel else "–"
+        lines.append(f"| {c} | " + " | ".join(cells) + f" | {verdict} |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> dict:
     from vllm_dspark.benchmarking import TINY_DRAFTER, TINY_TARGET
     from vllm_dspark.fingerprint import machine_info
@@ -282,6 +310,7 @@ def main(argv=None) -> dict:
         for line in record["targets"]["lines"]:
             print(f"[bench] {line}")
     write_record(record, args.out, plot, "bench")
+    print(results_table(record))
     return record
 
 

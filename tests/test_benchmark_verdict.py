@@ -54,3 +54,14 @@ def test_verdict_uses_the_head_to_head_where_run(duel_ratio, verdict):
     assert out["verdict_ratio"][16] == duel_ratio
     assert out["lines"][0].endswith(verdict)
     assert out["vs_best_other_per_round"][16] == pytest.approx(0.91)  # still reported
+
+
+def test_readme_results_are_the_latest_run():
+    """The README's results table is generated from benchmarks/results/latest/
+    (regenerate: bench_dspark.results_table on that record)."""
+    import json
+
+    repo = Path(__file__).resolve().parents[1]
+    bench = _bench_module()
+    record = json.loads((repo / "benchmarks" / "results" / "latest" / "dspark_vs_nospec.json").read_text())
+    assert bench.results_table(record) in (repo / "README.md").read_text()

@@ -125,8 +125,12 @@ def _vllm_post_init(original):
 
 
 def _check_confidence_head(spec, knobs) -> None:
+    from vllm_dspark.controller.policies import make_policy
+    from vllm_dspark.controller.tuning import ControllerTuning
+
     hf = spec.draft_model_config.hf_config
-    if knobs.policy != "full" and not getattr(hf, "enable_confidence_head", False):
+    needs = make_policy(knobs, ControllerTuning()).needs_confidence_head
+    if needs and not getattr(hf, "enable_confidence_head", False):
         raise DSparkConfigError(
             f"additional_config['dspark']['policy']={knobs.policy!r} needs the drafter's "
             f"confidence head, but {spec.model!r} has enable_confidence_head=false; use "

@@ -22,6 +22,7 @@ from vllm_dspark.controller.tuning import ControllerTuning
 class VerifyPolicy(Protocol):
     name: str
     gates_drafting: bool  # the drafting gate runs (skip, depth, dormancy): adaptive only
+    needs_confidence_head: bool  # the drafter must have one
 
     def lengths(self, conf: torch.Tensor, cap: torch.Tensor, costs: StepCosts, view: StepView,
                 depth: int) -> torch.Tensor:
@@ -31,7 +32,7 @@ class VerifyPolicy(Protocol):
 class FullPolicy:
     """Verify every drafted token (within caps)."""
 
-    name, gates_drafting = "full", False
+    name, gates_drafting, needs_confidence_head = "full", False, False
 
     def lengths(self, conf, cap, costs, view, depth):
         return cap
@@ -40,7 +41,7 @@ class FullPolicy:
 class ThresholdPolicy:
     """The longest prefix whose cumulative calibrated confidence is at least ``threshold``."""
 
-    name, gates_drafting = "threshold", False
+    name, gates_drafting, needs_confidence_head = "threshold", False, True
 
     def __init__(self, threshold: float):
         self.threshold = threshold
@@ -54,7 +55,7 @@ class AdaptivePolicy:
     (ops.adaptive_lengths), within the SLO's step-time cap and, while
     requests wait, the scheduler's token headroom."""
 
-    name, gates_drafting = "adaptive", True
+    name, gates_drafting, needs_confidence_head = "adaptive", True, True
 
     def __init__(self, tuning: ControllerTuning, slo_tokens_per_s: float | None):
         self.slo = slo_tokens_per_s
@@ -66,7 +67,8 @@ class AdaptivePolicy:
         rows = conf.shape[0]
         self._choices += 1
         est = costs.predict(rows, view.prefill_tokens, depth)
-        lengths = ops.adaptive_lengths(conf, cap, est.base + est.draft, est.per_token, *step_limits(view, rows, self.slo))
+        limits = step_limits(view, rows, self.slo)
+        lengths = ops.adaptive_lengths(conf, cap, est.base + est.draft, est.per_token, *limits)
         # While verify steps all carry about the same tokens the per-token cost
         # is not identified: now and then every length moves by one common
         # random shift, drawn without looking at the drafts (still lossless).
