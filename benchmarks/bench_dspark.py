@@ -216,8 +216,9 @@ def plot(record: dict, path: Path) -> None:
     if duels:
         plot_pairs(axes[2], [(f"c={c}\nvs {duels[c]['against']}", duels[c]) for c in sorted(duels)],
                    "head to head: adaptive / best other arm\n(dots: pairs of rounds, bar: median)")
+    env = ", ".join(f"{k}={v}" for k, v in (record.get("env") or {}).items())
     fig.suptitle(f"{Path(record['target']).name}: greedy, {record['max_tokens']} new tokens; "
-                 f"{record['machine']['cpu']} x{record['machine']['cores']}", fontsize=9)
+                 f"{record['machine']['cpu']} x{record['machine']['cores']}" + (f"; {env}" if env else ""), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -232,9 +233,10 @@ def results_table(record: dict) -> str:
     arms = [a for a in ARM_TITLES if a in record["arms"]]
     rate = {a: {r["concurrency"]: r for r in record["arms"][a]} for a in arms}
     duels = record.get("head_to_head") or {}
-    m = record["machine"]
+    m, env = record["machine"], record.get("env") or {}
+    cap = f", oneDNN capped at {env['ONEDNN_MAX_CPU_ISA']}" if "ONEDNN_MAX_CPU_ISA" in env else ""
     lines = [f"{m['cpu']} x{m['cores']}" + (f" ({', '.join(m['cpu_flags'])})" if m.get("cpu_flags") else "")
-             + f", {m['date'][:10]}, tok/s (× no-spec):", "",
+             + f"{cap}, {m['date'][:10]}, tok/s (× no-spec):", "",
              "| c | " + " | ".join(ARM_TITLES[a] for a in arms) + " | adaptive / best other, head to head |",
              "|---" * (len(arms) + 2) + "|"]
     for c in sorted(rate[arms[0]]):
@@ -276,8 +278,11 @@ def main(argv=None) -> dict:
 
     os.environ["VLLM_DSPARK_CACHE_DIR"] = str(args.cache_dir or tempfile.mkdtemp(prefix="dspark_cache_"))
     prompts = [p["text"] for p in load_prompts()]
+    from vllm_dspark.benchmarking import PERF_ENV_PREFIXES
+
+    env = {k: v for k, v in os.environ.items() if k.startswith(PERF_ENV_PREFIXES) and k != "VLLM_DSPARK_CACHE_DIR"}
     record = {"command": " ".join(["python", "benchmarks/bench_dspark.py", *(argv or sys.argv[1:])]),
-              "machine": machine_info(), "target": args.target, "drafter": args.drafter,
+              "machine": machine_info(), "env": env, "target": args.target, "drafter": args.drafter,
               "max_tokens": args.max_tokens, "arms": {}}
     from vllm_dspark.benchmarking import measure_interleaved, stop_engine, write_record
 

@@ -1,5 +1,6 @@
 """Shared helpers for the demo and the benchmark scripts (offline LLM() runs)."""
 
+import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -7,6 +8,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 LATEST = RESULTS / "latest"  # the current run of each benchmark; earlier ones in history/<commit>/
+# Environment variables that change what a run measures (an ISA cap, thread counts, the plugin's own).
+PERF_ENV_PREFIXES = ("ONEDNN_", "DNNL_", "OMP_", "MKL_", "VLLM_CPU_", "VLLM_DSPARK_")
 
 
 @dataclass(frozen=True)
@@ -211,8 +214,9 @@ def provenance(argv: list[str]) -> dict:
             return ""
 
     dirty = [line for line in git("status", "--porcelain").splitlines() if "benchmarks/results/" not in line]
+    env = {k: v for k, v in os.environ.items() if k.startswith(PERF_ENV_PREFIXES)}
     return {"commit": git("rev-parse", "--short", "HEAD") or "unknown", "dirty": bool(dirty),
-            "argv": list(argv), "machine": machine_info(all_flags=True)}
+            "argv": list(argv), "env": env, "machine": machine_info(all_flags=True)}
 
 
 def _provenance_path(out: Path) -> Path:

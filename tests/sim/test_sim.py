@@ -13,7 +13,7 @@ from tests.conftest import REPO
 from vllm_dspark.controller.cost_curve import CostCurve
 from vllm_dspark.controller.cost_model import CostParams
 from vllm_dspark.controller.trace import load_trace
-from vllm_dspark.sim.curves import LinearCurve, cpu_curve, fit_linear, gpu_curves, run_record
+from vllm_dspark.sim.curves import LinearCurve, cpu_curve, cpu_regimes, fit_linear, gpu_curves, run_record
 from vllm_dspark.sim.engine import draw_blocks, oracle, replay
 from vllm_dspark.sim.policies import ControllerPolicy, make_policies
 
@@ -29,22 +29,28 @@ def trace():
 
 def _curves(trace):
     steep = CostCurve("steep", CostParams(5e-3, 1e-4, 1e-3), CostParams(5e-3, 1e-4, 1e-3), CostParams(1e-3, 0.0, 0.0))
-    return [cpu_curve(trace, run_record(TRACE)), *gpu_curves(trace.block_len), LinearCurve(steep, trace.block_len)]
+    return [cpu_curve(trace, run_record(TRACE)), *cpu_regimes(trace.block_len), *gpu_curves(trace.block_len),
+            LinearCurve(steep, trace.block_len)]
 
 
 def test_command_writes_summary_plots_and_validation(tmp_path):
     out = tmp_path / "sim"
     proc = subprocess.run([sys.executable, "-m", "vllm_dspark.sim", "--out", str(out), "--batch-sizes", "1", "8",
-                           "--steps", "40", "--warmup", "40"], capture_output=True, text=True, timeout=600, cwd=REPO)
+                           "--steps", "40", "--warmup", "40", "--cold-start-tokens", "64"],
+                          capture_output=True, text=True, timeout=600, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = json.loads((out / "summary.json").read_text())
     assert {r["policy"] for r in records} == POLICIES
-    assert {r["curve"] for r in records} == {"cpu", "gpu-dense", "gpu-moe"}
+    curves = {"cpu", "cpu-steep", "cpu-flat", "gpu-dense", "gpu-moe"}
+    assert {r["curve"] for r in records} == curves
     assert {r["batch_size"] for r in records} == {1, 8}
     for r in records:
         assert set(r) >= {"curve", "batch_size", "policy", "tokens_per_s", "per_request_tokens_per_s", "oracle_fraction"}
         assert r["per_request_tokens_per_s"] == pytest.approx(r["tokens_per_s"] / r["batch_size"])
-    assert all((out / f"sim_{c}.png").stat().st_size > 10_000 for c in ("cpu", "gpu-dense", "gpu-moe"))
+    assert all((out / f"sim_{c}.png").stat().st_size > 10_000 for c in curves)
+    cold = json.loads((out / "cold_start.json").read_text())
+    assert {(r["curve"], r["batch_size"]) for r in cold} == {(c, b) for c in curves for b in (1, 8)}
+    assert {r["steps"] for r in cold if r["batch_size"] == 8} == {8}  # what no-spec takes for 64 tokens
     targets = json.loads((out / "targets.json").read_text())
     assert targets["checks"] > 0 and targets["met"] + len(targets["misses"]) == targets["checks"]
     validation = json.loads((out / "validation.json").read_text())
@@ -142,7 +148,7 @@ def test_k1_and_batch_1_run_and_stay_under_the_oracle(tmp_path):
     out = tmp_path / "out"
     path = _tiny_trace(tmp_path, k=1)
     proc = subprocess.run([sys.executable, "-m", "vllm_dspark.sim", "--out", str(out), "--trace", str(path),
-                           "--batch-sizes", "1", "2", "--steps", "30", "--warmup", "10"],
+                           "--batch-sizes", "1", "2", "--steps", "30", "--warmup", "10", "--cold-start-tokens", "30"],
                           capture_output=True, text=True, timeout=600, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = json.loads((out / "summary.json").read_text())

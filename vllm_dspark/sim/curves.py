@@ -2,9 +2,11 @@
 T_draft(R) in seconds, for R requests and B target tokens (one per request
 plus the verified drafts).
 
-Three sources:
+Four sources:
   * ``cpu``: the linear fits the plugin's online cost models reached while
     recording the trace (the trace's last ``costs`` line);
+  * ``cpu-steep`` and ``cpu-flat``: the two regimes measured on machines of
+    this kind (constants below);
   * ``gpu-dense`` and ``gpu-moe``: rooflines on H200 (constants below, formulas
     in docs/simulator.md);
   * any JSON file in the plugin's cost-curve format
@@ -200,6 +202,22 @@ def run_record(trace_path) -> dict | None:
 
 def json_curve(path: str, block_len: int) -> LinearCurve:
     return LinearCurve(load_cost_curve(path), block_len)
+
+
+# Two CPU regimes of the same tiny pair (bf16, 2 cores), as linear curves.
+# Steep: an AMD EPYC without AVX-512, where vLLM's bf16 linear layers fall back
+# to torch: about 8 ms a step plus 3 ms per token (no-spec 10.7 ms at c=1,
+# ~210 ms at c=64), drafting about as dear per block. Flat: the Intel Xeon
+# AVX-512/AMX machines, about 4 ms plus 0.1 ms per token, one block's drafting
+# about 4.6 ms at c=1.
+CPU_REGIMES = (
+    CostCurve("cpu-steep", CostParams(8e-3, 0.0, 3e-3), CostParams(8e-3, 0.0, 3e-3), CostParams(4e-3, 1e-3, 0.0)),
+    CostCurve("cpu-flat", CostParams(4e-3, 0.0, 1e-4), CostParams(4e-3, 0.0, 1e-4), CostParams(4e-3, 2e-4, 0.0)),
+)
+
+
+def cpu_regimes(block_len: int) -> list[LinearCurve]:
+    return [LinearCurve(curve, block_len) for curve in CPU_REGIMES]
 
 
 def gpu_curves(block_len: int) -> list[RooflineCurve]:
