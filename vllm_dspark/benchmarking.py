@@ -201,8 +201,10 @@ def write_record(record: dict, out, plot, tag: str, argv: list[str] | None = Non
     print(f"[{tag}] wrote {out}, {out.with_suffix('.png').name} and its provenance (commit {prov['commit']})")
 
 
-def provenance(argv: list[str]) -> dict:
-    """What produced a run: the commit (and whether the tree had changes), the command and the machine."""
+def provenance(argv: list[str], engine: bool = True) -> dict:
+    """What produced a run: the commit (and whether the tree had changes), the
+    command, the environment that changes it, the engine settings (dtype, KV
+    bytes: ``engine``, the run started engines) and the machine."""
     import subprocess
 
     from vllm_dspark.fingerprint import machine_info
@@ -215,8 +217,11 @@ def provenance(argv: list[str]) -> dict:
 
     dirty = [line for line in git("status", "--porcelain").splitlines() if "benchmarks/results/" not in line]
     env = {k: v for k, v in os.environ.items() if k.startswith(PERF_ENV_PREFIXES)}
-    return {"commit": git("rev-parse", "--short", "HEAD") or "unknown", "dirty": bool(dirty),
-            "argv": list(argv), "env": env, "machine": machine_info(all_flags=True)}
+    out = {"commit": git("rev-parse", "--short", "HEAD") or "unknown", "dirty": bool(dirty), "argv": list(argv),
+           "env": env, "machine": machine_info(all_flags=True)}
+    if engine:
+        out["engine_defaults"] = ENGINE_DEFAULTS
+    return out
 
 
 def _provenance_path(out: Path) -> Path:

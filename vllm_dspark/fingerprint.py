@@ -13,18 +13,19 @@ KEY_CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "a
 
 
 def _cpuinfo() -> tuple[str, list[str]]:
-    cpu, flags = platform.processor() or platform.machine(), []
+    """(the first CPU's model name, its flags) from /proc/cpuinfo."""
+    cpu, flags = None, []
     try:
         with open("/proc/cpuinfo") as fh:
             for line in fh:
-                if line.startswith("model name") and cpu == (platform.processor() or platform.machine()):
+                if cpu is None and line.startswith("model name"):
                     cpu = line.split(":", 1)[1].strip()
                 elif line.startswith("flags"):
                     flags = line.split(":", 1)[1].split()
                     break
     except OSError:
         pass
-    return cpu, flags
+    return cpu or platform.processor() or platform.machine(), flags
 
 
 def machine_info(all_flags: bool = False) -> dict:

@@ -288,7 +288,7 @@ LEDGER: tuple[Hook, ...] = (
         "vllm.v1.sample.rejection_sampler.RejectionSampler", "subclass",
         "DSparkRejectionSampler: lossless variable-length verification (greedy and "
         "sampled) with our own per-token sampling parameters, because the stock CPU "
-        "expand kernel corrupts per-token temperatures.", "forward",
+        "expand kernel corrupts per-token temperatures.", "forward (and __init__, which calls super)",
         "vLLM's CPU expand_batch_to_tokens is fixed", ("sampler", "spec_config", "device"),
     ),
     Hook(

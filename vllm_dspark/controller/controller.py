@@ -25,6 +25,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
+
 from vllm_dspark.config import DSparkKnobs
 from vllm_dspark.controller.acceptance import AcceptanceModel
 from vllm_dspark.controller.clock import StepClock, StepSample
@@ -102,8 +104,6 @@ class DSparkController:
 
     def choose(self, blocks: DraftBlocks) -> list[int]:
         """Verify lengths [B] for this step's blocks."""
-        import torch
-
         caps = self.ledger.zero_caps(blocks.req_ids, blocks.caps)
         conf = self.acceptance.calibrated(blocks.conf_logits, blocks.greedy)
         self.acceptance.remember(blocks, caps, self.steps, conf if self.telemetry.trace is not None else None)

@@ -242,7 +242,7 @@ def main(argv=None) -> dict:
     (args.out / "calibration.json").write_text(json.dumps(calibration, indent=1))
     from vllm_dspark.benchmarking import provenance
 
-    (args.out / "provenance.json").write_text(json.dumps(provenance(sys.argv if argv is None else argv), indent=1))
+    (args.out / "provenance.json").write_text(json.dumps(provenance(sys.argv if argv is None else argv, engine=False), indent=1))
     for mode, rep in calibration.items():
         fmt = lambda xs: " ".join("-" if x is None else f"{x:.3f}" for x in xs)  # noqa: E731
         print(f"[sim] calibration ({mode}, {rep['blocks']} blocks) ECE per position raw: {fmt(rep['ece_raw'])}"
