@@ -54,6 +54,11 @@ ENV_VARS: dict[str, tuple[Callable[[], Any], str]] = {
         "Record controller traces for the simulator into this folder (same as the "
         "trace_dir knob; off when unset).",
     ),
+    "VLLM_DSPARK_TEST_CLOCK_SKEW_S": (
+        lambda: float(os.environ.get("VLLM_DSPARK_TEST_CLOCK_SKEW_S") or 0.0),
+        "Tests only: skew the controller's step clock on tensor-parallel ranks other "
+        "than 0 by this many seconds per reading (the ranks must still agree).",
+    ),
     "VLLM_DSPARK_OPS": (
         _choice("VLLM_DSPARK_OPS", "auto", ("auto", "triton", "reference")),
         "Kernel choice: auto (Triton on CUDA tensors, torch twin elsewhere), "

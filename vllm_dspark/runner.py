@@ -27,6 +27,7 @@ from vllm_dspark.fingerprint import cost_cache_dir, cost_fingerprint
 from vllm_dspark.metrics import SnapshotWriter, snapshot_dir
 from vllm_dspark.plain_steps import PlainStepSwitch
 from vllm_dspark.proposer.dspark_proposer import DSparkProposer
+from vllm_dspark.rank_sync import rank0_share, step_clock
 from vllm_dspark.rejection_sampler import DSparkRejectionSampler
 from vllm_dspark.sampling import GREEDY_EPS
 from vllm_dspark.scheduler import DRAFTS_ATTR
@@ -42,14 +43,16 @@ class DSparkRunnerMixin:
         self.use_aux_hidden_state_outputs = True
         self.rejection_sampler = DSparkRejectionSampler(self.sampler, self.speculative_config, self.device)
         self._plain_switch = PlainStepSwitch(self, vllm_config)
+        parallel = vllm_config.parallel_config
         self.dspark = DSparkController(parse_knobs(vllm_config.additional_config), self.drafter.block_len,
                                        fingerprint=cost_fingerprint(vllm_config), cache_dir=cost_cache_dir(),
-                                       plain_steps=self._plain_switch.allowed)
+                                       plain_steps=self._plain_switch.allowed, now=step_clock(parallel.rank),
+                                       share=rank0_share(parallel.tensor_parallel_size))
         # Queued context is written only for live requests that keep it.
         self.drafter.context_queue.live_requests = self.dspark.ledger.wanted(self.requests)
         self._step_verifies = False
         self._dspark_timing = NO_DRAFT
-        rank = vllm_config.parallel_config.rank
+        rank = parallel.rank
         self._dspark_snapshots = SnapshotWriter(snapshot_dir(vllm_config.instance_id) if rank == 0 else None,
                                                 rank, lambda: self.dspark.snapshot().to_json())
 

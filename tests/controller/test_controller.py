@@ -18,9 +18,14 @@ from vllm_dspark.controller.tuning import ControllerTuning
 TUNING = ControllerTuning()
 
 
-def _ctl(tuning=TUNING, now=None, **knobs):
+def _ctl(tuning=TUNING, now=None, cold=False, **knobs):
+    """A controller; awake unless ``cold`` (a fresh engine starts dormant
+    until its exploration budget can price speculation)."""
     extra = {} if now is None else {"now": now}
-    return DSparkController(DSparkKnobs(persist_cost_model=False, **knobs), block_len=4, tuning=tuning, **extra)
+    ctl = DSparkController(DSparkKnobs(persist_cost_model=False, **knobs), block_len=4, tuning=tuning, **extra)
+    if not cold:
+        ctl.dormancy.wake()
+    return ctl
 
 
 def _choose(ctl, ids, logits, caps, greedy):
@@ -212,10 +217,14 @@ def test_dormant_plain_steps_train_the_models_one_in_every_few():
         return [s.verifies for s in seen]
 
     n = 10 * every
-    awake, dormant, verifying = _ctl(), _ctl(), _ctl()
+    awake, dormant, verifying, cold = _ctl(), _ctl(), _ctl(), _ctl(cold=True)
     dormant.dormancy.dormant = verifying.dormancy.dormant = True
+    _fund(dormant)
     assert len(run(awake, n)) == n - 1  # the last step is recorded at the next start
-    assert len(run(dormant, n + 1)) == n // every and dormant.steps == n + 1
+    assert len(run(dormant, n + 1)) == n // every and dormant.steps == n  # the last one counts at the next start
+    # Until the budget can price steps (its nospec model is learning), every plain step is.
+    assert cold.dormant and TUNING.budget_warmup_steps <= len(run(cold, n)) < n - 1
+    assert cold.budget.ready
     assert run(verifying, n, verifies=True) == [True] * (n - 1)
     assert every > 1
 
@@ -267,6 +276,15 @@ def test_admitted_levels_with_caps_match_the_op(caps, max_tokens):
     levels = admitted_levels(conf, rows, 5e-3, 1e-4, math.inf, max_tokens, level_counts(caps, 7))
     assert levels
     _assert_levels_are_the_op_s(levels, c, lengths)
+
+
+def _fund(ctl, plain_steps=1, seconds=5e-3):
+    """The budget can price steps (nospec pinned at ``seconds`` a step) and
+    has earned ``plain_steps`` plain steps' share over its first reserve
+    (one episode's: below the cap)."""
+    ctl.costs.nospec.pin(CostParams(seconds, 0.0, 0.0), "test")
+    for _ in range(plain_steps):
+        ctl.budget.settle(StepSample(1, 1, False, seconds, 0.0, 0, plain=True))
 
 
 def _skip_rule_ctl(tuning=TUNING, **knobs):
@@ -362,6 +380,7 @@ def test_dormant_after_a_long_skip_until_drafting_pays():
     tuning = ControllerTuning(probe_loss_budget=1e-9)  # probes as seldom as allowed
     recheck = tuning.dormant_recheck_every
     ctl = _skip_rule_ctl(tuning, dormant_after_steps=16)
+    _fund(ctl)
     for _ in range(16):
         _start(ctl, waiting=0, running=64)
         assert _skips(ctl) and not ctl.dormant
@@ -375,7 +394,7 @@ def test_dormant_after_a_long_skip_until_drafting_pays():
         _start(ctl, waiting=0, running=running)
         assert _skips(ctl) and ctl.dormant
     # Load gone: drafting pays, but the request left has no context (cap 0).
-    # Two checks in a row end dormancy.
+    # Two checks in a row end dormancy (the budget holds an episode's reserve).
     dormant = []
     for _ in range(2 * recheck):
         _start(ctl, waiting=0)
@@ -385,16 +404,14 @@ def test_dormant_after_a_long_skip_until_drafting_pays():
     _start(ctl, waiting=0)
     assert not _skips(ctl, ("c",))  # the next request has context: it drafts
     never = _skip_rule_ctl(tuning, dormant_after_steps=0)
-    # A small batch's context is cheap to keep: no dormancy below dormant_min_reqs coming.
+    # Dormancy at any batch size: one request where drafting never pays.
     small = _skip_rule_ctl(tuning, dormant_after_steps=16, slo_tokens_per_s=1e6)  # never pays
-    min_reqs = TUNING.dormant_min_reqs
     for _ in range(100):
         _start(never, waiting=0, running=64)
         assert _skips(never) and not never.dormant
-        _start(small, waiting=min_reqs - 2, running=1)
-        assert _skips(small) and not small.dormant
-    _start(small, waiting=min_reqs - 1, running=1)
-    assert _skips(small) and small.dormant
+        _start(small, waiting=0, running=1)
+        assert _skips(small)
+    assert small.dormant and not _ctl(cold=True, dormant_after_steps=0).dormant
 
 
 def test_dormancy_ends_only_where_drafting_pays_beyond_the_cost_models_error():
@@ -402,13 +419,15 @@ def test_dormancy_ends_only_where_drafting_pays_beyond_the_cost_models_error():
     pinned: 0.3 ms a block), so drafting pays 2-5x what drafting and
     verifying cost. Checks count toward ending dormancy only where the net
     exceeds the models' recent mean relative error times that cost: not at
-    500% error, yes at 100%. Checks with fewer than 8 requests coming count
-    whatever the error (nothing drafts while dormant, so a far-off model must
-    not hold a light load there)."""
+    500% error, yes at 100%; and only while the budget holds an episode's
+    reserve."""
     tuning = ControllerTuning(probe_loss_budget=1e-9)
     ends = []
-    for running, error in ((8, 5.0), (8, 1.0), (7, 5.0)):
+    for running, error, funded in ((8, 5.0, True), (8, 1.0, True), (8, 1.0, False)):
         ctl = _skip_rule_ctl(tuning, dormant_after_steps=16)
+        _fund(ctl)
+        if not funded:
+            ctl.budget.balance = -1.0  # in debt
         for _ in range(17):
             _start(ctl, waiting=0, running=64)
             _skips(ctl)
@@ -423,23 +442,33 @@ def test_dormancy_ends_only_where_drafting_pays_beyond_the_cost_models_error():
             _skips(ctl)
             checks.append(ctl.dormant)
         ends.append(checks.index(False) if False in checks else None)
-    assert ends[0] is None and ends[1] is not None and ends[2] is not None
+    assert ends[0] is None and ends[1] is not None and ends[2] is None
 
 
-def test_dormant_engine_still_probes():
-    """Dormant, with one request that has context, probes still come (at a
-    recheck): they are what can tell that drafting pays again."""
-    tuning = ControllerTuning(probe_loss_budget=1e-9, max_probe_every=32)  # 31 of 32 skip
-    ctl = _skip_rule_ctl(tuning, dormant_after_steps=16)
-    skipped = []
-    for _ in range(200):
+def test_dormant_engine_never_drafts_and_re_tests_on_a_full_budget():
+    """Dormant, nothing drafts, even a request with context; the verdict
+    (drafting does not pay) is re-tested once the balance is full: an
+    episode starts, and requests admitted then keep context."""
+    tuning = ControllerTuning(probe_loss_budget=1e9)  # awake, a probe would come every probe_every
+    ctl = _skip_rule_ctl(tuning, dormant_after_steps=16, slo_tokens_per_s=1e6)  # never pays
+    _fund(ctl)
+    ctl.dormancy.sleep()
+    for _ in range(100):
         _start(ctl, waiting=0, running=64)
-        skipped.append(_skips(ctl))
-    assert ctl.dormant and not all(skipped[100:])
+        assert _skips(ctl)
+    assert ctl.dormant and not ctl.budget.full
+    _fund(ctl, 100 * int(tuning.budget_cap_steps / tuning.budget_share))
+    assert ctl.budget.full
+    woke = []
+    for _ in range(tuning.dormant_recheck_every):
+        _start(ctl, waiting=0, running=64, new=("b",))
+        _skips(ctl, ("a", "b"))
+        woke.append(not ctl.dormant)
+    assert woke[-1] and not woke[0]
 
 
 def test_no_probe_without_a_request_that_has_context():
-    ctl = _ctl(slo_tokens_per_s=1e6)  # never pays; untrusted models: a probe every probe_every
+    ctl = _ctl(slo_tokens_per_s=1e6, dormant_after_steps=0)  # never pays; untrusted models: a probe every probe_every
     _choose(ctl, ["a"], torch.zeros(1, 4), [4], [True])
     ctl.ledger.lose_all(["a"])
     assert all(_skips(ctl, ("a",)) for _ in range(100))

@@ -68,6 +68,7 @@ def test_skip_rule_drafts_once_calibration_shows_drafting_pays():
     """Raw confidences say 0.5, every block is accepted in full: once the
     calibrator has learned that, the skip rule's survivals follow at once."""
     ctl = DSparkController(DSparkKnobs(persist_cost_model=False), block_len=4)
+    ctl.dormancy.wake()
     logits = torch.zeros(1, 4)
     for _ in range(200):
         ctl.choose(DraftBlocks(["a"], logits, [4], [True]))

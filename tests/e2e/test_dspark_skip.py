@@ -12,7 +12,7 @@ pytestmark = pytest.mark.e2e
 
 @pytest.fixture(scope="module")
 def llm(nospec_reference):
-    # Dormant after a single skipped step: the second batch is admitted dormant.
+    # Dormant after a single skipped step (and a test holds it dormant).
     engine = make_llm(speculative_config=dspark_config(7),
                       additional_config={"dspark": {"slo_tokens_per_s": 1e6, "dormant_after_steps": 1}})
     yield engine
@@ -27,13 +27,21 @@ def test_skipping_drafts_stays_exact(llm, identity_prompts, nospec_reference):
     assert snap["skipped_steps"] > 0.7 * snap["steps"], snap  # all but the probe steps skip drafting
 
 
+def _hold_dormant(worker) -> bool:
+    ctl = worker.model_runner.dspark
+    ctl.dormancy.sleep()
+    ctl.budget.balance = -1e9  # in debt: no episode of speculation may start
+    return True
+
+
 def test_requests_admitted_while_dormant_are_never_drafted(llm, identity_prompts, nospec_reference):
+    llm.collective_rpc(_hold_dormant)
     before = llm.collective_rpc("dspark_snapshot")[0]
-    assert before["dormant"] and before["contextless_requests"] == 0  # the first batch came in before it
+    assert before["dormant"]
     outs = llm.generate(identity_prompts[16:32], greedy_params(), use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in outs] == nospec_reference["token_ids"][16:32]
     after = llm.collective_rpc("dspark_snapshot")[0]
-    assert after["contextless_requests"] == 16
+    assert after["contextless_requests"] - before["contextless_requests"] == 16
     skipped = after["skipped_steps"] - before["skipped_steps"]
     plain = after["plain_steps"] - before["plain_steps"]
     drafted = after["steps"] - before["steps"]

@@ -131,6 +131,15 @@ LEDGER: tuple[Hook, ...] = (
         ("self", "scheduler_output", "num_scheduled_tokens"),
     ),
     Hook(
+        "vllm.distributed.parallel_state.get_tp_group", "call",
+        "Under tensor parallelism every rank's controller learns from rank 0's step "
+        "timings (rank_sync.py), so all ranks draft, skip and run plain steps alike.", "-", "-", (),
+    ),
+    Hook(
+        "vllm.distributed.parallel_state.GroupCoordinator.broadcast", "call",
+        "Sends rank 0's step timings to the other ranks, once a step.", "-", "-", ("self", "input_", "src"),
+    ),
+    Hook(
         "vllm.utils.torch_utils.async_tensor_h2d", "call",
         "Copies a draft-free step's logits rows to the device.", "-", "-",
         ("data", "device"),

@@ -26,11 +26,19 @@ class StepSample(NamedTuple):
     drafted: int  # blocks drafted (0: none)
     walk_seconds: float = 0.0  # of draft_seconds, the Markov walk (0: not timed apart)
     depth: int = 0  # positions walked
+    plain: bool = False  # ran without speculation (dormant, or no request keeps drafter context)
+    draft_tokens: int = 0  # of tokens, drafts verified
+    accepted: int = 0  # of those, accepted
+    extra_seconds: float = 0.0  # queued-context writes, left out of seconds (the exploration budget pays them)
+    recorded: bool = True  # goes into the cost models (else only counted, and earns the budget)
 
 
 class StepClock:
-    def __init__(self, tuning: ControllerTuning, now: Callable[[], float] = time.perf_counter):
+    def __init__(self, tuning: ControllerTuning, now: Callable[[], float] = time.perf_counter,
+                 share: Callable[[list[float]], list[float]] | None = None):
+        """``share``: rank 0's values for this rank's (tensor parallelism: rank_sync.py)."""
         self._now = now  # the simulator passes its own clock
+        self._share = share
         self._max_gap, self._ema = tuning.max_engine_gap_s, tuning.gap_ema
         self._t_start: float | None = None
         self._t_end: float | None = None
@@ -50,7 +58,17 @@ class StepClock:
                 gap = self._gap[held.verifies]
             held = held._replace(seconds=held.seconds + gap)
         self._t_start = now
-        return held
+        return held if self._share is None else self._rank0(held)
+
+    def _rank0(self, held: StepSample | None) -> StepSample | None:
+        """The step as rank 0 timed it. Every rank calls this on every step (a collective)."""
+        mine = (1.0, held.seconds, held.draft_seconds, held.walk_seconds,
+                held.extra_seconds) if held is not None else (0.0,) * 5
+        present, seconds, draft, walk, extra = self._share(list(mine))
+        if held is None or not present:
+            return None
+        return held._replace(seconds=seconds, draft_seconds=draft, walk_seconds=walk, extra_seconds=extra,
+                             depth=held.depth if walk > 0 else 0)
 
     def end(self) -> float | None:
         """The step ends; its seconds since ``begin`` (None: none began)."""

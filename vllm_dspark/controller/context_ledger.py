@@ -2,10 +2,8 @@
 
 A request admitted while the controller is dormant gets none: it is never
 drafted (its verify cap is 0) and its context is neither queued nor written,
-for the rest of its life. While no other request in the step has context, one
-of the new ones keeps it: probes need one, and they are what tells when
-drafting pays again. A step run without speculation (plain) gives the drafter
-no context, so every request in it loses its own.
+for the rest of its life. A step run without speculation (plain) gives the
+drafter no context, so every request in it loses its own.
 """
 
 from collections.abc import Container, Iterable
@@ -31,18 +29,19 @@ class ContextLedger:
         without = self._without
         added = 0
         if dormant and new_ids:
-            new = list(new_ids)
-            fresh = set(new)
-            if not any(rid not in without and rid not in fresh for rid in req_ids):
-                new = new[1:]
-            without.update(new)
-            added = len(new)
+            without.update(new_ids)
+            added = len(new_ids)
         contexts = len(req_ids) - sum(rid in without for rid in req_ids) if without else len(req_ids)
         return added, contexts
 
     def lose_all(self, req_ids: Iterable[str]) -> None:
         """A plain step: every request in it keeps no context."""
         self._without.update(req_ids)
+
+    def covers(self, req_ids) -> bool:
+        """No request of ``req_ids`` has context."""
+        without = self._without
+        return len(without) >= len(req_ids) and all(rid in without for rid in req_ids)
 
     def zero_caps(self, req_ids: list[str], caps: list[int]) -> list[int]:
         """``caps`` with 0 for the requests without context."""

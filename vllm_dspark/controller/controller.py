@@ -1,24 +1,20 @@
 """DSparkController: each step, whether to draft, how deep, and how many
-drafted tokens each request verifies.
+drafted tokens each request verifies. The runner and the simulator drive the
+same five calls (plan.py); every decision is made here and flows one way
+back as a StepPlan or verify lengths. The parts, one job each:
 
-The runner and the simulator drive the same five calls (plan.py); every
-decision is made here, from the step's view, past steps and this step's
-confidences, and flows one way back as a StepPlan or verify lengths. The
-parts, one job each:
+  clock      StepClock          how long each step took (rank 0's, under TP)
+  costs      StepCosts          what the next step will cost (online models)
+  acceptance AcceptanceModel    what drafted tokens are likely to yield
+  policy     VerifyPolicy       the verify lengths (full / threshold / adaptive)
+  gate       DraftGate          does drafting pay, at what depth; probes (adaptive)
+  dormancy   Dormancy           when to run as an engine without speculation (adaptive)
+  budget     ExplorationBudget  what speculation cost against none, measured
+  ledger     ContextLedger      which requests keep drafter context
+  telemetry  Telemetry          totals, the snapshot, traces
 
-  clock      StepClock       how long each step took
-  costs      StepCosts       what the next step will cost (four online models)
-  acceptance AcceptanceModel what drafted tokens are likely to yield
-  policy     VerifyPolicy    the verify lengths (full / threshold / adaptive)
-  gate       DraftGate       does drafting pay, at what depth; probes (adaptive)
-  dormancy   Dormancy        when to stop keeping drafter context (adaptive)
-  ledger     ContextLedger   which requests keep drafter context
-  telemetry  Telemetry       totals, the snapshot, traces
-
-Every input to a choice is known before the drafted tokens are looked at, and
-a position's confidence comes from earlier tokens only: the lengths are
-non-anticipating, so verification stays lossless. docs/controller.md walks
-through a step.
+Every input to a length is known before the drafts are looked at: the lengths
+are non-anticipating and verification stays lossless (docs/controller.md).
 """
 
 import time
@@ -29,6 +25,7 @@ import torch
 
 from vllm_dspark.config import DSparkKnobs
 from vllm_dspark.controller.acceptance import AcceptanceModel
+from vllm_dspark.controller.budget import ExplorationBudget
 from vllm_dspark.controller.clock import StepClock, StepSample
 from vllm_dspark.controller.context_ledger import ContextLedger
 from vllm_dspark.controller.costs import StepCosts
@@ -44,10 +41,10 @@ from vllm_dspark.controller.tuning import ControllerTuning
 class DSparkController:
     def __init__(self, knobs: DSparkKnobs, block_len: int, *, tuning: ControllerTuning = ControllerTuning(),
                  fingerprint: str = "", cache_dir: Path | None = None, acceptance: AcceptanceModel | None = None,
-                 plain_steps: bool = False, now: Callable[[], float] = time.perf_counter):
-        """``plain_steps``: the runner can run a step as vLLM's step without
-        speculation (dormant steps then do). ``now``: the clock (the
-        simulator's is simulated)."""
+                 plain_steps: bool = False, now: Callable[[], float] = time.perf_counter,
+                 share: Callable[[list[float]], list[float]] | None = None):
+        """``plain_steps``: the runner can run vLLM's step without speculation.
+        ``now``: the clock. ``share``: rank 0's timings (rank_sync.py)."""
         self.knobs, self.k, self.tuning = knobs, block_len, tuning
         self.policy = make_policy(knobs, tuning)
         self.costs = StepCosts(block_len, tuning, fingerprint, cache_dir if knobs.persist_cost_model else None,
@@ -56,14 +53,20 @@ class DSparkController:
             self.costs.pin(knobs.pinned_curve(), knobs.cost_curve)
         self.acceptance = acceptance or AcceptanceModel(block_len, tuning, calibrate=knobs.calibration)
         self.gate = DraftGate(block_len, tuning, knobs.slo_tokens_per_s)
-        self.dormancy = Dormancy(tuning, knobs.dormant_after_steps)
+        self.dormancy = Dormancy(tuning, knobs.dormant_after_steps if self.policy.gates_drafting else 0,
+                                 start_dormant=not knobs.cost_curve)
+        self.budget = ExplorationBudget(self.costs.nospec, tuning)
+        # A pinned cost curve decides alone: no measured guard over it.
+        self._guarded = self.dormancy.enabled and not knobs.cost_curve
         self.ledger = ContextLedger()
         self.telemetry = Telemetry(block_len, knobs.trace_folder(), knobs.policy, knobs.log_every)
-        self.clock = StepClock(tuning, now)
+        self.clock = StepClock(tuning, now, share)
         self._plain_steps = plain_steps
         self.steps = 0  # steps recorded or counted
         self.depth = block_len  # the walk depth of the last plan
         self._view = NO_STEP
+        self._plain_step = False  # this step runs without speculation
+        self._gained = (0, 0)  # this step's verified and accepted drafts
 
     # -- the step, in order -------------------------------------------------
     def begin_step(self, view: StepView) -> StepPlan | None:
@@ -73,13 +76,15 @@ class DSparkController:
         sample = self.clock.begin()
         if sample is not None:
             self._record(sample)
-        self._view = view
+        self._view, self._gained = view, (0, 0)
         self.ledger.forget(view.finished_req_ids)
-        if not (self._plain_steps and self.dormancy.dormant and not view.verifies):
+        # A step in which no request keeps drafter context has no speculative work either.
+        self._plain_step = not view.verifies and (self.dormancy.dormant or (
+            self.dormancy.enabled and not view.new_req_ids and self.ledger.covers(view.req_ids)))
+        if not (self._plain_steps and self._plain_step):
             return None
         if view.num_reqs:
-            # No request in such a step keeps context; the rule still runs
-            # (it is what ends dormancy).
+            # No request in such a step keeps context; the rule still runs (it ends dormancy).
             self.telemetry.totals.contextless_requests += len(view.new_req_ids)
             self.ledger.lose_all(view.req_ids)
             self.telemetry.totals.plain_steps += 1
@@ -89,6 +94,7 @@ class DSparkController:
     def observe(self, outcome: VerifyOutcome) -> None:
         """What verification did with last step's drafts."""
         self.telemetry.verified(outcome.num_verified, outcome.accepted)
+        self._gained = (sum(outcome.num_verified), sum(outcome.accepted))
         pending = self.acceptance.observe(outcome)
         if pending is not None and self.telemetry.trace is not None:
             self.telemetry.trace_blocks(self.steps, pending, outcome)
@@ -96,9 +102,7 @@ class DSparkController:
     def plan(self, requests: RequestView) -> StepPlan:
         """Draft this step, how deep, and whose context to keep if not."""
         rows = len(requests.req_ids)
-        if not self.policy.gates_drafting or rows == 0:
-            return StepPlan("draft", self.depth)
-        if not self._skips(rows, requests):
+        if not self.policy.gates_drafting or rows == 0 or not self._skips(rows, requests):
             return StepPlan("draft", self.depth)
         return StepPlan("skip", self.depth, self.ledger.among(requests.req_ids))
 
@@ -109,7 +113,8 @@ class DSparkController:
         self.acceptance.remember(blocks, caps, self.steps, conf if self.telemetry.trace is not None else None)
         # Past the walked depth there are no drafts to verify.
         cap = torch.tensor(caps, dtype=torch.int32, device=conf.device).clamp(0, min(conf.shape[1], self.depth))
-        lengths = self.policy.lengths(conf, cap, self.costs, self._view, self.depth).tolist()
+        allowance = self.budget.draft_tokens() if self._guarded else None
+        lengths = self.policy.lengths(conf, cap, self.costs, self._view, self.depth, allowance).tolist()
         self.telemetry.chose(lengths, self.depth)
         return lengths
 
@@ -118,13 +123,14 @@ class DSparkController:
         view = self._view
         if busy is None or view.num_reqs == 0:
             return
-        if self.telemetry.trace is None and self.dormancy.unrecorded(timing.drafted, view.verifies):
-            self._count()
-        else:
-            walked = timing.drafted and timing.walk_seconds > 0
-            self.clock.hold(StepSample(view.num_reqs, view.tokens, view.verifies, busy - timing.excluded_seconds,
-                                       timing.draft_seconds - timing.excluded_seconds, timing.drafted,
-                                       timing.walk_seconds if walked else 0.0, self.depth if walked else 0))
+        recorded = not (self.telemetry.trace is None and self.budget.ready
+                        and self.dormancy.unrecorded(timing.drafted, view.verifies))
+        walked = timing.drafted and timing.walk_seconds > 0
+        self.clock.hold(StepSample(view.num_reqs, view.tokens, view.verifies, busy - timing.excluded_seconds,
+                                   timing.draft_seconds - timing.excluded_seconds, timing.drafted,
+                                   timing.walk_seconds if walked else 0.0, self.depth if walked else 0,
+                                   self._plain_step and not timing.drafted, *self._gained,
+                                   timing.excluded_seconds, recorded))
         if self.telemetry.log_due(self.steps):
             self.telemetry.log(self.snapshot())
 
@@ -140,12 +146,18 @@ class DSparkController:
             return self._skip()
         estimate = self.acceptance.estimate()
         if estimate is None:
+            dormancy.heed(self.budget, curious=True, guarded=self._guarded)
             self.depth = self.k
-            return self._skip() if self._admit(requests) == 0 else self._draft()
+            contexts = self._admit(requests)
+            return self._skip(counted=contexts > 0) if contexts == 0 or dormancy.dormant else self._draft()
         assessment = gate.assess(estimate, self.costs, self._view, rows)
         verdict = assessment.best()
-        dormancy.update(verdict.net, verdict.spend, self.costs.model_error(), self._view.coming(rows))
+        curious = not self.costs.draft.trusted
+        dormancy.update(verdict.net, verdict.spend, self.costs.model_error(), settled=not curious)
+        dormancy.heed(self.budget, curious, self._guarded)
         contexts = self._admit(requests)
+        if dormancy.dormant or (self._guarded and self.budget.draft_tokens() == 0):
+            return self._skip()
         if verdict.net > 0 and requests is not None:
             # Caps only take candidates away: read (a pass over every request)
             # only when drafting pays without them, and heeded where one binds.
@@ -155,7 +167,8 @@ class DSparkController:
         self.depth = verdict.depth
         if gate.drafts(verdict.net, assessment.plain, contexts, self._view, self.costs):
             return self._draft()
-        return self._skip()
+        # A skip for want of context is no verdict on drafting.
+        return self._skip(counted=contexts > 0)
 
     def _admit(self, requests: RequestView | None) -> int:
         """This step's admissions, by this step's dormancy; requests with context."""
@@ -165,8 +178,9 @@ class DSparkController:
         self.telemetry.totals.contextless_requests += added
         return contexts
 
-    def _skip(self) -> bool:
-        self.dormancy.remember(True)
+    def _skip(self, counted: bool = True) -> bool:
+        if counted:
+            self.dormancy.remember(True)
         self.telemetry.skipped()
         return True
 
@@ -176,8 +190,12 @@ class DSparkController:
 
     # -- bookkeeping ------------------------------------------------------------
     def _record(self, sample: StepSample) -> None:
-        predicted = self.costs.observe(sample)
-        self.telemetry.recorded(sample, predicted, self.steps, self.costs)
+        if sample.recorded:
+            predicted = self.costs.observe(sample)
+            self.budget.settle(sample)
+            self.telemetry.recorded(sample, predicted, self.steps, self.costs)
+        else:  # alike dormant plain steps: counted, and what they took earned
+            self.budget.earn(sample.seconds)
         self._count()
 
     def _count(self) -> None:
@@ -192,7 +210,7 @@ class DSparkController:
     def snapshot(self) -> ControllerSnapshot:
         """Everything /metrics, the log line and the benchmarks show."""
         return self.telemetry.snapshot(dormant=self.dormancy.dormant, acceptance=self.acceptance,
-                                       costs=self.costs, load=self._view.load)
+                                       costs=self.costs, load=self._view.load, budget=self.budget)
 
     def close(self) -> None:
         self.costs.save()

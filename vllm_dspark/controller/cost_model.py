@@ -127,21 +127,24 @@ class OnlineCostModel:
             resid = m[2][2] - (m[1][1] * v0 * v0 - 2 * m[0][1] * v0 * v1 + m[0][0] * v1 * v1) / det
         return math.sqrt(max(resid, 0.0) / n) / (m[0][2] / n)
 
-    def covers(self, num_reqs: int) -> bool:
-        """Has the model seen steps of about ``num_reqs`` requests lately
-        (within two decayed standard deviations of their mean, or 25% of it)?
-        Outside that its per-request cost is an extrapolation, which a model
-        fitted at one batch size cannot make (it splits a single step time
-        between t0 and t_req arbitrarily)."""
+    def covers(self, num_reqs: int, num_tokens: int | None = None) -> bool:
+        """Has the model seen steps of about ``num_reqs`` requests (and
+        ``num_tokens`` tokens) lately (within two decayed standard deviations
+        of their mean, or 25% of it)? Outside that its cost is an
+        extrapolation, which a model fitted at one batch size cannot make (it
+        splits a single step time between t0 and t_req arbitrarily)."""
         if self.pinned:
             return True
         n = self.xtx[0][0]
         if n < 1.0:
             return False
-        scale = self._scale[1]
-        mean = self.xtx[0][1] / n * scale
-        std = math.sqrt(max(self.xtx[1][1] / n * scale * scale - mean * mean, 0.0))
-        return abs(num_reqs - mean) <= max(2.0 * std, 0.25 * mean)
+        return self._near(1, num_reqs, n) and (num_tokens is None or self._near(2, num_tokens, n))
+
+    def _near(self, i: int, value: float, n: float) -> bool:
+        scale = self._scale[i]
+        mean = self.xtx[0][i] / n * scale
+        std = math.sqrt(max(self.xtx[i][i] / n * scale * scale - mean * mean, 0.0))
+        return abs(value - mean) <= max(2.0 * std, 0.25 * mean)
 
     @property
     def mean_abs_pct_error(self) -> float | None:

@@ -4,6 +4,8 @@
   plain   T_plain(R, B)  a target step that does not
   draft   T_draft(R)     drafting R blocks, less the Markov walk
   walk    T_walk(R)      one position of the Markov walk over R blocks
+  nospec  T_none(R, B)   a step run without speculation (plain steps only: what
+                         the exploration budget measures speculation against)
 
 The engine runs mostly one kind of target step at a time, so when the load
 moves, the model of the other kind extrapolates in R from another batch size
@@ -40,7 +42,8 @@ class StepCosts:
         def model(kind: str) -> OnlineCostModel:
             return OnlineCostModel(f"{fingerprint}-{kind}" if fingerprint else "", cache_dir, tuning.cost)
 
-        self.verify, self.plain, self.draft, self.walk = (model(k) for k in ("spec", "plain", "draft", "walk"))
+        self.verify, self.plain, self.draft, self.walk, self.nospec = (
+            model(k) for k in ("spec", "plain", "draft", "walk", "nospec"))
         self._price_walk = price_walk  # the adaptive_depth knob
         self._overhead: float | None = None  # verify step minus plain step, same R and B
         self._errors: deque[float] = deque(maxlen=tuning.cost.error_window)  # whole-step prediction error
@@ -107,6 +110,8 @@ class StepCosts:
             if walked:
                 self.walk.observe(s.drafted, 0, s.walk_seconds / s.depth)
         target.observe(s.reqs, s.tokens, target_seconds)
+        if s.plain:
+            self.nospec.observe(s.reqs, s.tokens, s.seconds)
         self._errors.append(abs(predicted - s.seconds) / s.seconds)
         return predicted
 
@@ -120,7 +125,8 @@ class StepCosts:
 
     def params_json(self) -> dict:
         return {"cost_params": vars(self.verify.params), "plain_cost_params": vars(self.plain.params),
-                "draft_cost_params": vars(self.draft.params), "walk_cost_params": vars(self.walk.params)}
+                "draft_cost_params": vars(self.draft.params), "walk_cost_params": vars(self.walk.params),
+                "nospec_cost_params": vars(self.nospec.params)}
 
     def trace_json(self) -> dict:
         """The fits a trace records; its drafting cost is a whole K-deep
@@ -131,5 +137,5 @@ class StepCosts:
         return {"spec": vars(self.verify.params), "plain": vars(self.plain.params), "draft": vars(par)}
 
     def save(self) -> None:
-        for model in (self.verify, self.plain, self.draft, self.walk):
+        for model in (self.verify, self.plain, self.draft, self.walk, self.nospec):
             model.save()

@@ -1,18 +1,19 @@
-"""Dormancy: a pure state machine over the gate's verdicts.
+"""Dormancy: when the engine runs as one without speculation.
 
 Dormant once drafting was skipped on at least ``dormant_skip_share`` of the
-last ``dormant_after_steps`` steps (a lone probe must not hold it off), would
-not pay now with every request drafted, and ``dormant_min_reqs`` or more
-requests are about to run (a small batch's context costs little to keep).
-While dormant, new requests get no drafter context (the context ledger), and
-where the runner can, steps run as vLLM's steps without speculation; the full
-rule runs every ``dormant_recheck_every`` steps. It ends after
-``dormant_exit_checks`` checks in a row where drafting pays by more than the
-cost models' recent error times what drafting and verifying cost (ending it
-costs what no model sees: every new request's context queued again, and a
-rule near break-even flips on noise), or where fewer than
-``dormant_min_reqs`` requests are coming (nothing drafts while dormant, so a
-model that is far off must not hold a light load).
+last ``dormant_after_steps`` steps (a lone probe must not hold it off) and
+would not pay now with every request drafted, by models that have seen
+enough drafting to say so, at any batch size; or when the
+exploration budget is spent (budget.py); and from the first step, until the
+budget can price speculation against steps without it (not with a pinned
+cost curve: the budget then stays out). While dormant, new
+requests get no drafter context (the context ledger), and where the runner
+can, steps run as vLLM's steps without speculation; the full rule runs every
+``dormant_recheck_every`` steps. Whether dormancy ends is the controller's
+call (``heed``), from ``pays`` (``dormant_exit_checks`` checks in a row where
+drafting pays by more than the cost models' recent error times what drafting
+and verifying cost: ending it costs what no model sees, and a rule near
+break-even flips on noise) and the budget.
 """
 
 from collections import deque
@@ -21,16 +22,16 @@ from vllm_dspark.controller.tuning import ControllerTuning
 
 
 class Dormancy:
-    def __init__(self, tuning: ControllerTuning, after_steps: int):
+    def __init__(self, tuning: ControllerTuning, after_steps: int, start_dormant: bool = True):
         t = tuning
-        self._share, self._min_reqs = t.dormant_skip_share, t.dormant_min_reqs
+        self._share = t.dormant_skip_share
         self._recheck, self._exit_checks, self._record_every = (t.dormant_recheck_every, t.dormant_exit_checks,
                                                                  t.dormant_record_every)
-        self._enabled = bool(after_steps)
+        self.enabled = bool(after_steps)
         # Whether the drafter was skipped, for the last after_steps steps, and how many skipped.
         self._recent: deque[bool] = deque(maxlen=max(1, after_steps))
         self._recent_skipped = 0
-        self.dormant = False
+        self.dormant = self.enabled and start_dormant
         self._cheap = 0  # steps skipped without the rule since it last ran
         self._paying = 0  # checks in a row where drafting would pay
         self._plain = 0  # dormant plain steps finished (for record_every)
@@ -43,18 +44,47 @@ class Dormancy:
         self._cheap = 0
         return False
 
-    def update(self, net: float, spend: float, model_error: float, coming: int) -> None:
-        """The rule ran: drafting would save ``net`` seconds for ``spend``."""
+    def update(self, net: float, spend: float, model_error: float, settled: bool) -> None:
+        """The rule ran: drafting would save ``net`` seconds for ``spend``
+        (``settled``: by models that have seen enough drafting to say so)."""
         if self.dormant:
-            sure = net > model_error * spend or coming < self._min_reqs
-            self._paying = self._paying + 1 if sure else 0
-            self.dormant = self._paying < self._exit_checks
+            self._paying = self._paying + 1 if net > model_error * spend else 0
         else:
             recent = self._recent
-            self.dormant = (self._enabled and len(recent) == recent.maxlen
-                            and self._recent_skipped >= self._share * recent.maxlen and net <= 0
-                            and coming >= self._min_reqs)
-            self._paying = 0
+            if (self.enabled and settled and len(recent) == recent.maxlen and net <= 0
+                    and self._recent_skipped >= self._share * recent.maxlen):
+                self.sleep()
+
+    @property
+    def pays(self) -> bool:
+        """Dormant, and drafting paid beyond the models' error on the last checks."""
+        return self._paying >= self._exit_checks
+
+    def heed(self, budget, curious: bool, guarded: bool) -> None:
+        """The exploration budget's say (``guarded``; else the models' alone).
+        An episode of speculation starts where the models say drafting pays
+        (on credit, more where they are not ``curious``: budget.py), or,
+        while the budget holds its reserve, where they know too little to say
+        (``curious``) or the balance is full (re-testing a verdict that may
+        be stale); it ends as soon as the budget is spent."""
+        if not guarded:
+            if self.dormant and self.pays:
+                self.wake()
+        elif self.dormant:
+            pays = self.pays
+            if budget.affords_episode(pays) and (pays or curious or budget.full):
+                budget.open(sure=pays and not curious)
+                self.wake()
+        elif budget.spent:
+            self.sleep()
+
+    def wake(self) -> None:
+        self.dormant, self._paying = False, 0
+        self._recent.clear()
+        self._recent_skipped = 0
+
+    def sleep(self) -> None:
+        self.dormant, self._paying, self._cheap = True, 0, 0
 
     def remember(self, skipped: bool) -> None:
         """This step did (not) skip drafting."""

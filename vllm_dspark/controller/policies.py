@@ -25,8 +25,9 @@ class VerifyPolicy(Protocol):
     needs_confidence_head: bool  # the drafter must have one
 
     def lengths(self, conf: torch.Tensor, cap: torch.Tensor, costs: StepCosts, view: StepView,
-                depth: int) -> torch.Tensor:
-        """Verify lengths [B] int32, each within its cap."""
+                depth: int, max_tokens: int | None = None) -> torch.Tensor:
+        """Verify lengths [B] int32, each within its cap; adaptive: at most
+        ``max_tokens`` in all (the exploration budget's; None: no limit)."""
 
 
 class FullPolicy:
@@ -34,7 +35,7 @@ class FullPolicy:
 
     name, gates_drafting, needs_confidence_head = "full", False, False
 
-    def lengths(self, conf, cap, costs, view, depth):
+    def lengths(self, conf, cap, costs, view, depth, max_tokens=None):
         return cap
 
 
@@ -46,7 +47,7 @@ class ThresholdPolicy:
     def __init__(self, threshold: float):
         self.threshold = threshold
 
-    def lengths(self, conf, cap, costs, view, depth):
+    def lengths(self, conf, cap, costs, view, depth, max_tokens=None):
         return ops.confidence_cutoff(conf, self.threshold, cap)
 
 
@@ -63,12 +64,14 @@ class AdaptivePolicy:
         self._choices = 0
         self._rng = torch.Generator().manual_seed(0)
 
-    def lengths(self, conf, cap, costs, view, depth):
+    def lengths(self, conf, cap, costs, view, depth, max_tokens=None):
         rows = conf.shape[0]
         self._choices += 1
         est = costs.predict(rows, view.prefill_tokens, depth)
-        limits = step_limits(view, rows, self.slo)
-        lengths = ops.adaptive_lengths(conf, cap, est.base + est.draft, est.per_token, *limits)
+        max_time, limit = step_limits(view, rows, self.slo)
+        if max_tokens is not None:
+            limit = min(limit, max_tokens)
+        lengths = ops.adaptive_lengths(conf, cap, est.base + est.draft, est.per_token, max_time, limit)
         # While verify steps all carry about the same tokens the per-token cost
         # is not identified: now and then every length moves by one common
         # random shift, drawn without looking at the drafts (still lossless).
@@ -76,7 +79,24 @@ class AdaptivePolicy:
                 and costs.verify.token_spread() < self._spread):
             shift = int(torch.randint(-self._shift, self._shift + 1, (1,), generator=self._rng))
             lengths = torch.minimum(torch.clamp(lengths + shift, min=0), cap).to(torch.int32)
+            if max_tokens is not None:
+                lengths = within(lengths, limit)
         return lengths
+
+
+def within(lengths: torch.Tensor, total: int) -> torch.Tensor:
+    """``lengths`` cut to at most ``total`` tokens in all, level by level
+    (every row's last position first), the earlier rows keeping a split level."""
+    if int(lengths.sum()) <= total:
+        return lengths
+    level = 0
+    while int(torch.clamp(lengths, max=level + 1).sum()) <= total:
+        level += 1
+    cut = torch.clamp(lengths, max=level)
+    extra = (lengths > level).to(torch.int32)
+    keep = total - int(cut.sum())
+    extra[torch.cumsum(extra, 0) > keep] = 0
+    return (cut + extra).to(torch.int32)
 
 
 def step_limits(view: StepView, rows: int, slo_tokens_per_s: float | None) -> tuple[float, int]:

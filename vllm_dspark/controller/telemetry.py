@@ -60,6 +60,9 @@ class ControllerSnapshot:
     plain_cost_params: dict | None = None
     draft_cost_params: dict | None = None
     walk_cost_params: dict | None = None
+    nospec_cost_params: dict | None = None  # steps without speculation (the exploration budget's baseline)
+    speculation_excess: float | None = None  # measured time speculation cost over none, share of the latter
+    budget_balance_s: float = 0.0  # what exploring may still spend
     calibration: dict | None = None  # per mode: alpha, beta, ECE raw and calibrated per position
     load: dict | None = None  # the last step's LoadSignals
 
@@ -132,7 +135,7 @@ class Telemetry:
     def log_due(self, steps: int) -> bool:
         return bool(self.log_every and steps and steps % self.log_every == 0)
 
-    def snapshot(self, *, dormant: bool, acceptance, costs, load) -> ControllerSnapshot:
+    def snapshot(self, *, dormant: bool, acceptance, costs, load, budget) -> ControllerSnapshot:
         t, last = self.totals, self.last
         return ControllerSnapshot(
             steps=t.choices, budget_tokens_total=t.budget_tokens, last_budget=last.budget,
@@ -141,7 +144,8 @@ class Telemetry:
             acceptance_ratio=acceptance.ratio(), verified_blocks=t.verified_blocks,
             accepted_tokens=t.accepted_tokens, predicted_step_s=last.predicted_s, measured_step_s=last.measured_s,
             cost_model_mape=costs.mape(), calibration=acceptance.state(),
-            load=load._asdict() if load else None, **costs.params_json())
+            load=load._asdict() if load else None, speculation_excess=budget.loss_share(),
+            budget_balance_s=budget.balance, **costs.params_json())
 
     def log(self, snapshot: ControllerSnapshot) -> None:
         from vllm_dspark.log import get_logger

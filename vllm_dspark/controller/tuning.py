@@ -73,10 +73,15 @@ class ControllerTuning:
     min_token_spread: float = 0.1  # relative spread of verified tokens below which the shifts run
     # Dormancy (dormancy.py)
     dormant_skip_share: float = 0.9  # share of recent steps that skipped drafting before dormancy
-    dormant_min_reqs: int = 8  # requests about to run, at least, for dormancy (a small batch's context is cheap)
     dormant_recheck_every: int = 8  # steps between full checks while dormant
     dormant_exit_checks: int = 2  # paying checks in a row that end dormancy
     dormant_record_every: int = 4  # dormant plain steps per one recorded into the cost models
+    # Exploration budget (budget.py)
+    budget_share: float = 0.01  # of no-speculation time that exploring may give up, measured
+    budget_cap_steps: float = 64.0  # the most the balance holds, in plain steps: full, it re-tests a no-draft verdict
+    episode_tokens: float = 32.0  # decoded tokens' worth the balance must hold before a speculating episode starts
+    budget_warmup_steps: int = 8  # plain steps the nospec model sees before steps are priced
+    budget_unpriced_steps: int = 64  # speculating steps in a row at an unmeasured batch size that end an episode
     cost: CostModelTuning = field(default_factory=CostModelTuning)
     calibration: CalibrationTuning = field(default_factory=CalibrationTuning)
     survival: SurvivalTuning = field(default_factory=SurvivalTuning)

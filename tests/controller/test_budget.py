@@ -1,0 +1,137 @@
+"""The exploration budget: its accounting, the bound it puts on a fresh
+engine, and rank-consistent decisions under tensor parallelism. The closed
+loops run in the simulator (simulated clocks, the committed reference trace):
+deterministic, no timing."""
+
+import pytest
+
+from tests.conftest import REPO
+from vllm_dspark.controller.budget import ExplorationBudget
+from vllm_dspark.controller.clock import StepSample
+from vllm_dspark.controller.cost_curve import CostCurve
+from vllm_dspark.controller.cost_model import CostParams, OnlineCostModel
+from vllm_dspark.controller.trace import load_trace
+from vllm_dspark.controller.tuning import ControllerTuning
+from vllm_dspark.sim.curves import LinearCurve, cpu_regimes, gpu_curves
+from vllm_dspark.sim.engine import _play_step, draw_blocks, replay
+from vllm_dspark.sim.policies import ControllerPolicy, NoSpec
+
+TRACE = REPO / "examples" / "traces" / "tiny-k7-full-c16"
+TUNING = ControllerTuning()
+STEP = 5e-3  # a plain step, the nospec model pinned
+
+
+@pytest.fixture(scope="module")
+def trace():
+    return load_trace(TRACE)
+
+
+def _budget(tuning=TUNING) -> ExplorationBudget:
+    nospec = OnlineCostModel(tuning=tuning.cost)
+    nospec.pin(CostParams(STEP, 0.0, 0.0), "test")
+    return ExplorationBudget(nospec, tuning)
+
+
+def _plain(reqs=1) -> StepSample:
+    return StepSample(reqs, reqs, False, STEP, 0.0, 0, plain=True)
+
+
+def test_plain_steps_earn_and_speculating_steps_pay_their_measured_excess():
+    b = _budget()
+    b.settle(_plain())
+    reserve = TUNING.episode_tokens * STEP  # one request: a decoded token is a step
+    assert b.balance == pytest.approx(reserve + TUNING.budget_share * STEP) and b.affords_episode(False)
+    # A verify step of 1 request + 3 drafts, 1 accepted: no speculation would
+    # have taken 2 steps for its 2 tokens; it took 14 ms, 2 of them writing context.
+    b.settle(StepSample(1, 4, True, 0.012, 0.004, 1, plain=False, draft_tokens=3, accepted=1, extra_seconds=0.002))
+    assert b.excess == pytest.approx(0.014 - 2 * STEP)
+    assert b.loss_share() == pytest.approx(b.excess / (3 * STEP))
+    # Winning pays in, up to the cap (plain steps' worth).
+    for _ in range(1000):
+        b.settle(StepSample(1, 8, True, 0.006, 0.001, 1, plain=False, draft_tokens=7, accepted=7))
+    assert b.balance == pytest.approx(TUNING.budget_cap_steps * STEP) and b.full and not b.spent
+    assert b.draft_tokens() == int(TUNING.budget_cap_steps)
+
+
+def test_an_episode_ends_when_its_balance_is_spent_or_its_batch_is_unmeasured():
+    b = _budget()
+    b.settle(_plain())
+    b.open(sure=False)  # may spend what it holds, and as much again
+    losing = StepSample(1, 8, True, 0.020, 0.005, 1, plain=False, draft_tokens=7, accepted=0)
+    steps = 0
+    while not b.spent:
+        b.settle(losing)
+        steps += 1
+    assert b.balance < -TUNING.episode_tokens * STEP * 0.99 and steps < 2 * TUNING.episode_tokens
+    assert b.draft_tokens() == 0 and not b.affords_episode(True)
+    # An unmeasured batch size (the nospec model has seen 1-request steps only).
+    nospec = OnlineCostModel(tuning=TUNING.cost)
+    u = ExplorationBudget(nospec, TUNING)
+    for _ in range(TUNING.budget_warmup_steps):
+        nospec.observe(1, 1, STEP)
+        u.settle(_plain())
+    assert u.ready and not u.spent
+    for _ in range(TUNING.budget_unpriced_steps):
+        u.settle(StepSample(64, 64, False, 0.05, 0.0, 0))
+    assert u.spent
+
+
+def _cold(trace, curve, r, tokens=2000, seed=0):
+    steps = -(-tokens // r)
+    blocks = draw_blocks(trace, r, steps, seed)
+    adaptive = replay(ControllerPolicy("adaptive", trace.block_len, {"policy": "adaptive"}, curve), blocks, curve,
+                      warmup=0)
+    return adaptive.tokens_per_s / replay(NoSpec(), blocks, curve, warmup=0).tokens_per_s
+
+
+@pytest.mark.parametrize("r", [1, 4, 16])
+def test_a_fresh_engine_loses_at_most_five_percent_where_drafting_never_pays(trace, r):
+    """The cold-start bound (issue 19): a fresh controller, nothing learned,
+    over the steps a no-spec engine takes for 2,000 tokens, on the simulator's
+    steep CPU curve (8 ms + 3 ms per verified token: no arm beats no-spec)."""
+    steep = next(c for c in cpu_regimes(trace.block_len) if c.name == "cpu-steep")
+    assert _cold(trace, steep, r) >= 0.95
+
+
+def test_a_fresh_engine_finds_the_win_where_drafting_pays(trace):
+    """The same bound costs little where speculation pays: the dense GPU
+    curve at 4 requests, where full K=7 is about twice no-spec."""
+    assert _cold(trace, gpu_curves(trace.block_len)[0], 4) >= 1.5
+
+
+def _decisions(trace, curve, share):
+    """Every step's (ran plain, verify lengths) of a fresh adaptive
+    controller at 4 requests, its timings replaced through ``share``."""
+    policy = ControllerPolicy("adaptive", trace.block_len, {"policy": "adaptive"}, curve)
+    policy.ctl.clock._share = share
+    blocks = draw_blocks(trace, 4, 400, seed=1)
+    out = []
+    for s in range(400):
+        lengths, *_ = _play_step(policy, curve, curve.plain, list(blocks.ids[s]), blocks.raw[s],
+                                 blocks.prev_raw[s], blocks.greedy[s].tolist(), blocks.accepted[s])
+        out.append((policy.ran_plain, None if lengths is None else lengths.tolist()))
+    return out
+
+
+def test_ranks_with_different_timings_decide_alike_on_rank_0_s(trace):
+    """Two ranks of one tensor-parallel engine: rank 1's steps take 4 ms
+    longer and its verified tokens 3x as long. Fed rank 0's timings (what
+    rank_sync broadcasts), it makes every decision rank 0 makes; on its own
+    timings it would not (and a drafter collective would wait for ever)."""
+    rank0_curve = next(c for c in cpu_regimes(trace.block_len) if c.name == "cpu-flat")
+    p = rank0_curve.curve
+    skewed = LinearCurve(CostCurve("skewed", CostParams(p.spec.t0 + 4e-3, p.spec.t_req, 3 * p.spec.t_tok),
+                                   CostParams(p.plain.t0 + 4e-3, p.plain.t_req, p.plain.t_tok), p.draft),
+                         trace.block_len)
+    sent = []
+
+    def rank0(values):
+        sent.append(values)
+        return values
+
+    calls = iter(range(10 ** 6))
+    rank0_run = _decisions(trace, rank0_curve, rank0)
+    rank1_run = _decisions(trace, skewed, lambda values: sent[next(calls)])
+    assert rank1_run == rank0_run
+    assert _decisions(trace, skewed, None) != rank0_run
+    assert any(lengths for _, lengths in rank0_run) and any(plain for plain, _ in rank0_run)

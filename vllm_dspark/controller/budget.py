@@ -1,0 +1,117 @@
+"""ExplorationBudget: what speculation has cost against no speculation,
+measured, and how much exploring it may still spend.
+
+The gate decides from models; this checks the outcome. Every recorded step
+is priced twice: what it took (queued-context writes and the gap after it
+included), and what a step without speculation would have taken for the same
+output, from the ``nospec`` cost model, which learns from plain steps only:
+its prompt and decode tokens at this batch, plus every accepted draft token
+at a plain decode step's cost per token. The difference is the step's excess
+(negative where speculation won).
+
+Once ``budget_warmup_steps`` plain steps were seen, the balance starts at one
+episode's reserve (a fresh engine explores at once), earns ``share`` of every
+step's no-speculation time and pays every speculating step's excess, up to
+``cap_steps`` plain steps' worth (winnings must not license a long loss after
+the load changes). An episode of speculation starts while the balance holds
+the reserve, ``episode_tokens`` decoded tokens' worth, or where the cost
+models say drafting pays, on any balance not in debt; it ends once it is in
+debt by what it opened with, or by the cap where the models were sure (the
+debt is earned back before the next); meanwhile a step verifies at most as many drafts as the
+balance is worth in decoded tokens (a verified token costs no more than a
+decoded one). So over any stretch the engine gives up at most twice ``share`` of
+its time, plus a cap and one step's drafting, plus the nospec model's
+error, whatever the other models believe. A speculating step at a batch size
+or token count the nospec model has not seen lately is not priced; enough of
+them in a row end the episode, so plain steps measure it.
+"""
+
+import math
+
+from vllm_dspark.controller.clock import StepSample
+from vllm_dspark.controller.cost_model import OnlineCostModel
+from vllm_dspark.controller.tuning import ControllerTuning
+
+
+class ExplorationBudget:
+    def __init__(self, nospec: OnlineCostModel, tuning: ControllerTuning):
+        self._nospec = nospec
+        t = tuning
+        self._share, self._cap, self._reserve = t.budget_share, t.budget_cap_steps, t.episode_tokens
+        self._warmup, self._max_unpriced = t.budget_warmup_steps, t.budget_unpriced_steps
+        self.balance = 0.0  # seconds
+        self.excess = 0.0  # seconds speculation cost over no speculation, all steps so far
+        self.nospec_seconds = 0.0  # what no speculation would have taken for everything so far
+        self._unpriced = 0  # speculating steps in a row the nospec model could not price
+        self._step = 0.0  # a recent plain decode step's seconds (0: no step priced yet)
+        self._token = 0.0  # and per decoded token
+        self._floor = 0.0  # the episode ends below this balance, in plain steps
+
+    @property
+    def ready(self) -> bool:
+        """Can steps be priced (the nospec model has seen enough plain steps)?"""
+        return self._nospec.pinned or self._nospec.observations >= self._warmup
+
+    def settle(self, s: StepSample) -> None:
+        """One recorded step (``s.plain``: it ran without speculation)."""
+        if not self.ready:
+            return
+        nospec = self._nospec
+        params = nospec.params
+        if nospec.covers(s.reqs, s.reqs):  # the price of a decoded token at this batch
+            self._step = params.predict(s.reqs, s.reqs)
+            if not self._token:
+                self.balance = self._reserve * self._step / s.reqs
+            self._token = self._step / s.reqs
+        if s.plain:
+            self._unpriced = 0
+            self.earn(s.seconds)
+            return
+        if not (self._token and nospec.covers(s.reqs, s.reqs) and nospec.covers(s.reqs, s.tokens - s.draft_tokens)):
+            self._unpriced += 1
+            return
+        self._unpriced = 0
+        baseline = params.predict(s.reqs, s.tokens - s.draft_tokens) + s.accepted * self._token
+        excess = s.seconds + s.extra_seconds - baseline
+        self.excess += excess
+        self.nospec_seconds += baseline
+        self.balance = min(self._cap * self._step, self.balance + self._share * baseline - excess)
+
+    def earn(self, seconds: float) -> None:
+        """A plain step (left out of the models or not: dormant steps are alike)."""
+        if self._step:
+            self.nospec_seconds += seconds
+            self.balance = min(self._cap * self._step, self.balance + self._share * seconds)
+
+    def open(self, sure: bool) -> None:
+        """An episode starts. It may run into debt: by the cap where models
+        that have seen enough drafting say it pays (``sure``), else by what
+        the balance holds now (an episode first pays to build its requests'
+        drafter context, and only then drafts them all)."""
+        self._floor = -self._cap if sure else -max(self.balance, 0.0) / self._step
+
+    def affords_episode(self, pays: bool) -> bool:
+        """Can an episode start? Where the models say drafting pays on any
+        balance not in debt, else on the reserve."""
+        return self._token > 0 and self.balance >= (0.0 if pays else self._reserve * self._token)
+
+    @property
+    def full(self) -> bool:
+        return self._step > 0 and self.balance >= self._cap * self._step
+
+    @property
+    def spent(self) -> bool:
+        """End the speculating episode: the balance is gone, or too many
+        steps in a row could not be priced."""
+        return self._token > 0 and (self.balance < self._floor * self._step or self._unpriced >= self._max_unpriced)
+
+    def draft_tokens(self) -> int | None:
+        """The most drafts one step may verify: what the balance is worth in
+        decoded tokens, above the episode's floor (None: not priced yet)."""
+        if self._token <= 0:
+            return None
+        return max(0, math.floor((self.balance - self._floor * self._step) / self._token))
+
+    def loss_share(self) -> float | None:
+        """What speculation cost over no speculation, as a share of the latter."""
+        return self.excess / self.nospec_seconds if self.nospec_seconds > 0 else None
