@@ -49,31 +49,47 @@ def test_plain_steps_earn_and_speculating_steps_pay_their_measured_excess():
     # Winning pays in, up to the cap (plain steps' worth).
     for _ in range(1000):
         b.settle(StepSample(1, 8, True, 0.006, 0.001, 1, plain=False, draft_tokens=7, accepted=7))
-    assert b.balance == pytest.approx(TUNING.budget_cap_steps * STEP) and b.full and not b.spent
-    assert b.draft_tokens() == int(TUNING.budget_cap_steps)
+    assert b.balance == pytest.approx(TUNING.budget_cap_steps * STEP) and b.full and not b.spent(0.0)
+    assert b.draft_tokens(0.0) == int(TUNING.budget_cap_steps + TUNING.episode_tokens)  # no episode open: + a reserve
 
 
 def test_an_episode_ends_when_its_balance_is_spent_or_its_batch_is_unmeasured():
     b = _budget()
     b.settle(_plain())
-    b.open(sure=False)  # may spend what it holds, and as much again
+    b.open(sure=False)  # may spend what it holds, and as much again while context builds
     losing = StepSample(1, 8, True, 0.020, 0.005, 1, plain=False, draft_tokens=7, accepted=0)
     steps = 0
-    while not b.spent:
+    while not b.spent(1.0):
         b.settle(losing)
         steps += 1
     assert b.balance < -TUNING.episode_tokens * STEP * 0.99 and steps < 2 * TUNING.episode_tokens
-    assert b.draft_tokens() == 0 and not b.affords_episode(True)
+    assert b.draft_tokens(1.0) == 0 and not b.affords_episode(True)
+    # The next episode waits until that loss is earned back. Where every
+    # request has context an episode may lose one reserve; while context
+    # builds, sure models add the cap.
+    b.settle(_plain())
+    assert not b.affords_episode(True)
+    b.balance = 0.0
+    b.open(sure=True)
+    lost = []
+    for building in (0.0, 1.0):
+        b.balance, n = 0.0, 0
+        while not b.spent(building):
+            b.settle(losing)
+            n += 1
+        lost.append(-b.balance / STEP)
+    assert TUNING.episode_tokens <= lost[0] < TUNING.episode_tokens + 4
+    assert TUNING.episode_tokens + TUNING.budget_cap_steps <= lost[1] < TUNING.episode_tokens + TUNING.budget_cap_steps + 4
     # An unmeasured batch size (the nospec model has seen 1-request steps only).
     nospec = OnlineCostModel(tuning=TUNING.cost)
     u = ExplorationBudget(nospec, TUNING)
     for _ in range(TUNING.budget_warmup_steps):
         nospec.observe(1, 1, STEP)
         u.settle(_plain())
-    assert u.ready and not u.spent
+    assert u.ready and not u.spent(0.0)
     for _ in range(TUNING.budget_unpriced_steps):
         u.settle(StepSample(64, 64, False, 0.05, 0.0, 0))
-    assert u.spent
+    assert u.spent(0.0)
 
 
 def _cold(trace, curve, r, tokens=2000, seed=0):

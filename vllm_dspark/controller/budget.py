@@ -15,9 +15,11 @@ step's no-speculation time and pays every speculating step's excess, up to
 ``cap_steps`` plain steps' worth (winnings must not license a long loss after
 the load changes). An episode of speculation starts while the balance holds
 the reserve, ``episode_tokens`` decoded tokens' worth, or where the cost
-models say drafting pays, on any balance not in debt; it ends once it is in
-debt by what it opened with, or by the cap where the models were sure (the
-debt is earned back before the next); meanwhile a step verifies at most as many drafts as the
+models say drafting pays, on any balance not in debt, and only once what the
+last episode lost has been earned back; it ends once it has lost a reserve,
+plus, while its requests' drafter context builds up, a credit of what it
+opened with (the cap where the models were sure) scaled by the share of the
+batch still without context; meanwhile a step verifies at most as many drafts as the
 balance is worth in decoded tokens (a verified token costs no more than a
 decoded one). So over any stretch the engine gives up at most twice ``share`` of
 its time, plus a cap and one step's drafting, plus the nospec model's
@@ -45,7 +47,8 @@ class ExplorationBudget:
         self._unpriced = 0  # speculating steps in a row the nospec model could not price
         self._step = 0.0  # a recent plain decode step's seconds (0: no step priced yet)
         self._token = 0.0  # and per decoded token
-        self._floor = 0.0  # the episode ends below this balance, in plain steps
+        self._credit = 0.0  # plain steps of debt the episode may run into while building context
+        self._opened = 0.0  # the balance the last episode opened with
 
     @property
     def ready(self) -> bool:
@@ -84,33 +87,40 @@ class ExplorationBudget:
             self.balance = min(self._cap * self._step, self.balance + self._share * seconds)
 
     def open(self, sure: bool) -> None:
-        """An episode starts. It may run into debt: by the cap where models
-        that have seen enough drafting say it pays (``sure``), else by what
-        the balance holds now (an episode first pays to build its requests'
-        drafter context, and only then drafts them all)."""
-        self._floor = -self._cap if sure else -max(self.balance, 0.0) / self._step
+        """An episode starts. While its requests' drafter context builds up
+        (requests admitted before it have none, and the batch pays for
+        context before it drafts them all) it may run into debt: by up to the
+        cap where models that have seen enough drafting say it pays
+        (``sure``), else by what the balance holds now."""
+        self._credit = self._cap if sure else max(self.balance, 0.0) / self._step
+        self._opened = self.balance
 
     def affords_episode(self, pays: bool) -> bool:
         """Can an episode start? Where the models say drafting pays on any
-        balance not in debt, else on the reserve."""
-        return self._token > 0 and self.balance >= (0.0 if pays else self._reserve * self._token)
+        balance not in debt, else on the reserve; either way only once what
+        the last episode lost has been earned back."""
+        need = 0.0 if pays else self._reserve * self._token
+        return self._token > 0 and self.balance >= max(need, self._opened)
 
     @property
     def full(self) -> bool:
         return self._step > 0 and self.balance >= self._cap * self._step
 
-    @property
-    def spent(self) -> bool:
-        """End the speculating episode: the balance is gone, or too many
-        steps in a row could not be priced."""
-        return self._token > 0 and (self.balance < self._floor * self._step or self._unpriced >= self._max_unpriced)
+    def spent(self, building: float) -> bool:
+        """End the speculating episode? It lost more than a reserve beyond
+        its credit for ``building`` (the share of the batch without drafter
+        context: none once all have it), or too many steps in a row could
+        not be priced."""
+        floor = self._opened - self._reserve * self._token - self._credit * building * self._step
+        return self._token > 0 and (self.balance < floor or self._unpriced >= self._max_unpriced)
 
-    def draft_tokens(self) -> int | None:
+    def draft_tokens(self, building: float) -> int | None:
         """The most drafts one step may verify: what the balance is worth in
-        decoded tokens, above the episode's floor (None: not priced yet)."""
+        decoded tokens, credit included (None: not priced yet)."""
         if self._token <= 0:
             return None
-        return max(0, math.floor((self.balance - self._floor * self._step) / self._token))
+        room = self.balance - self._opened + self._reserve * self._token + self._credit * building * self._step
+        return max(0, math.floor(room / self._token))
 
     def loss_share(self) -> float | None:
         """What speculation cost over no speculation, as a share of the latter."""

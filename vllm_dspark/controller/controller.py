@@ -67,6 +67,7 @@ class DSparkController:
         self._view = NO_STEP
         self._plain_step = False  # this step runs without speculation
         self._gained = (0, 0)  # this step's verified and accepted drafts
+        self._building = 1.0  # share of the last batch without drafter context
 
     # -- the step, in order -------------------------------------------------
     def begin_step(self, view: StepView) -> StepPlan | None:
@@ -113,7 +114,7 @@ class DSparkController:
         self.acceptance.remember(blocks, caps, self.steps, conf if self.telemetry.trace is not None else None)
         # Past the walked depth there are no drafts to verify.
         cap = torch.tensor(caps, dtype=torch.int32, device=conf.device).clamp(0, min(conf.shape[1], self.depth))
-        allowance = self.budget.draft_tokens() if self._guarded else None
+        allowance = self.budget.draft_tokens(self._building) if self._guarded else None
         lengths = self.policy.lengths(conf, cap, self.costs, self._view, self.depth, allowance).tolist()
         self.telemetry.chose(lengths, self.depth)
         return lengths
@@ -146,7 +147,7 @@ class DSparkController:
             return self._skip()
         estimate = self.acceptance.estimate()
         if estimate is None:
-            dormancy.heed(self.budget, curious=True, guarded=self._guarded)
+            dormancy.heed(self.budget, True, self._guarded, self._building)
             self.depth = self.k
             contexts = self._admit(requests)
             return self._skip(counted=contexts > 0) if contexts == 0 or dormancy.dormant else self._draft()
@@ -154,9 +155,9 @@ class DSparkController:
         verdict = assessment.best()
         curious = not self.costs.draft.trusted
         dormancy.update(verdict.net, verdict.spend, self.costs.model_error(), settled=not curious)
-        dormancy.heed(self.budget, curious, self._guarded)
+        dormancy.heed(self.budget, curious, self._guarded, self._building)
         contexts = self._admit(requests)
-        if dormancy.dormant or (self._guarded and self.budget.draft_tokens() == 0):
+        if dormancy.dormant or (self._guarded and self.budget.draft_tokens(self._building) == 0):
             return self._skip()
         if verdict.net > 0 and requests is not None:
             # Caps only take candidates away: read (a pass over every request)
@@ -176,6 +177,7 @@ class DSparkController:
             return 0
         added, contexts = self.ledger.admit(self._view.new_req_ids, requests.req_ids, self.dormancy.dormant)
         self.telemetry.totals.contextless_requests += added
+        self._building = 1.0 - contexts / len(requests.req_ids)
         return contexts
 
     def _skip(self, counted: bool = True) -> bool:

@@ -60,13 +60,14 @@ class Dormancy:
         """Dormant, and drafting paid beyond the models' error on the last checks."""
         return self._paying >= self._exit_checks
 
-    def heed(self, budget, curious: bool, guarded: bool) -> None:
+    def heed(self, budget, curious: bool, guarded: bool, building: float) -> None:
         """The exploration budget's say (``guarded``; else the models' alone).
         An episode of speculation starts where the models say drafting pays
         (on credit, more where they are not ``curious``: budget.py), or,
         while the budget holds its reserve, where they know too little to say
         (``curious``) or the balance is full (re-testing a verdict that may
-        be stale); it ends as soon as the budget is spent."""
+        be stale); it ends as soon as the budget is spent (``building``: the
+        share of the batch without drafter context)."""
         if not guarded:
             if self.dormant and self.pays:
                 self.wake()
@@ -75,7 +76,7 @@ class Dormancy:
             if budget.affords_episode(pays) and (pays or curious or budget.full):
                 budget.open(sure=pays and not curious)
                 self.wake()
-        elif budget.spent:
+        elif budget.spent(building):
             self.sleep()
 
     def wake(self) -> None:
