@@ -40,7 +40,7 @@ def test_plain_steps_earn_and_speculating_steps_pay_their_measured_excess():
     b = _budget()
     b.settle(_plain())
     reserve = TUNING.episode_tokens * STEP  # one request: a decoded token is a step
-    assert b.balance == pytest.approx(reserve + TUNING.budget_share * STEP) and b.affords_episode(False)
+    assert b.balance == pytest.approx(reserve + TUNING.budget_share * STEP) and b.affords_episode(False, 1)
     # A verify step of 1 request + 3 drafts, 1 accepted: no speculation would
     # have taken 2 steps for its 2 tokens; it took 14 ms, 2 of them writing context.
     b.settle(StepSample(1, 4, True, 0.012, 0.004, 1, plain=False, draft_tokens=3, accepted=1, extra_seconds=0.002))
@@ -56,21 +56,21 @@ def test_plain_steps_earn_and_speculating_steps_pay_their_measured_excess():
 def test_an_episode_ends_when_its_balance_is_spent_or_its_batch_is_unmeasured():
     b = _budget()
     b.settle(_plain())
-    b.open(sure=False)  # may spend what it holds, and as much again while context builds
+    b.open(False, 1)  # may spend what it holds, and as much again while context builds
     losing = StepSample(1, 8, True, 0.020, 0.005, 1, plain=False, draft_tokens=7, accepted=0)
     steps = 0
     while not b.spent(1.0):
         b.settle(losing)
         steps += 1
     assert b.balance < -TUNING.episode_tokens * STEP * 0.99 and steps < 2 * TUNING.episode_tokens
-    assert b.draft_tokens(1.0) == 0 and not b.affords_episode(True)
-    # The next episode waits until that loss is earned back. Where every
+    assert b.draft_tokens(1.0) == 0
+    b.close()
+    # The next episode at that batch size waits until the loss is earned back. Where every
     # request has context an episode may lose one reserve; while context
     # builds, sure models add the cap.
-    b.settle(_plain())
-    assert not b.affords_episode(True)
     b.balance = 0.0
-    b.open(sure=True)
+    assert not b.affords_episode(True, 1) and b.affords_episode(True, 4)  # at 4 requests no episode lost yet
+    b.open(True, 1)
     lost = []
     for building in (0.0, 1.0):
         b.balance, n = 0.0, 0

@@ -16,7 +16,9 @@ step's no-speculation time and pays every speculating step's excess, up to
 the load changes). An episode of speculation starts while the balance holds
 the reserve, ``episode_tokens`` decoded tokens' worth, or where the cost
 models say drafting pays, on any balance not in debt, and only once what the
-last episode lost has been earned back; it ends once it has lost a reserve,
+last episode at about this batch size (the same power of two) lost has been
+earned back (the models may be wrong at one load and right at another); it
+ends once it has lost a reserve,
 plus, while its requests' drafter context builds up, a credit of what it
 opened with (the cap where the models were sure) scaled by the share of the
 batch still without context; meanwhile a step verifies at most as many drafts as the
@@ -49,6 +51,8 @@ class ExplorationBudget:
         self._token = 0.0  # and per decoded token
         self._credit = 0.0  # plain steps of debt the episode may run into while building context
         self._opened = 0.0  # the balance the last episode opened with
+        self._episode: int | None = None  # the open episode's batch-size class (None: none open)
+        self._marks: dict[int, float] = {}  # per batch-size class: what its last losing episode opened with
 
     @property
     def ready(self) -> bool:
@@ -86,21 +90,35 @@ class ExplorationBudget:
             self.nospec_seconds += seconds
             self.balance = min(self._cap * self._step, self.balance + self._share * seconds)
 
-    def open(self, sure: bool) -> None:
+    def open(self, sure: bool, rows: int) -> None:
         """An episode starts. While its requests' drafter context builds up
         (requests admitted before it have none, and the batch pays for
         context before it drafts them all) it may run into debt: by up to the
         cap where models that have seen enough drafting say it pays
         (``sure``), else by what the balance holds now."""
         self._credit = self._cap if sure else max(self.balance, 0.0) / self._step
-        self._opened = self.balance
+        self._opened, self._episode = self.balance, rows.bit_length()
 
-    def affords_episode(self, pays: bool) -> bool:
-        """Can an episode start? Where the models say drafting pays on any
-        balance not in debt, else on the reserve; either way only once what
-        the last episode lost has been earned back."""
+    @property
+    def episode_open(self) -> bool:
+        return self._episode is not None
+
+    def close(self) -> None:
+        """The episode ended. One that lost marks its batch size: the next
+        episode there waits until the loss is earned back."""
+        if self.balance < self._opened:
+            self._marks[self._episode] = self._opened
+        else:
+            self._marks.pop(self._episode, None)
+        self._episode = None
+
+    def affords_episode(self, pays: bool, rows: int) -> bool:
+        """Can an episode start at ``rows`` requests? Where the models say
+        drafting pays on any balance not in debt, else on the reserve;
+        either way only once what the last episode at about this batch size
+        lost has been earned back."""
         need = 0.0 if pays else self._reserve * self._token
-        return self._token > 0 and self.balance >= max(need, self._opened)
+        return self._token > 0 and self.balance >= max(need, self._marks.get(rows.bit_length(), need))
 
     @property
     def full(self) -> bool:

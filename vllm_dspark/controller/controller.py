@@ -147,7 +147,7 @@ class DSparkController:
             return self._skip()
         estimate = self.acceptance.estimate()
         if estimate is None:
-            dormancy.heed(self.budget, True, self._guarded, self._building)
+            dormancy.heed(self.budget, True, self._guarded, self._building, rows)
             self.depth = self.k
             contexts = self._admit(requests)
             return self._skip(counted=contexts > 0) if contexts == 0 or dormancy.dormant else self._draft()
@@ -155,7 +155,7 @@ class DSparkController:
         verdict = assessment.best()
         curious = not self.costs.draft.trusted
         dormancy.update(verdict.net, verdict.spend, self.costs.model_error(), settled=not curious)
-        dormancy.heed(self.budget, curious, self._guarded, self._building)
+        dormancy.heed(self.budget, curious, self._guarded, self._building, rows)
         contexts = self._admit(requests)
         if dormancy.dormant or (self._guarded and self.budget.draft_tokens(self._building) == 0):
             return self._skip()

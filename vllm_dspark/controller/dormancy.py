@@ -60,7 +60,7 @@ class Dormancy:
         """Dormant, and drafting paid beyond the models' error on the last checks."""
         return self._paying >= self._exit_checks
 
-    def heed(self, budget, curious: bool, guarded: bool, building: float) -> None:
+    def heed(self, budget, curious: bool, guarded: bool, building: float, rows: int) -> None:
         """The exploration budget's say (``guarded``; else the models' alone).
         An episode of speculation starts where the models say drafting pays
         (on credit, more where they are not ``curious``: budget.py), or,
@@ -72,11 +72,14 @@ class Dormancy:
             if self.dormant and self.pays:
                 self.wake()
         elif self.dormant:
+            if budget.episode_open:  # ended since (by the models' rule)
+                budget.close()
             pays = self.pays
-            if budget.affords_episode(pays) and (pays or curious or budget.full):
-                budget.open(sure=pays and not curious)
+            if budget.affords_episode(pays, rows) and (pays or curious or budget.full):
+                budget.open(pays and not curious, rows)
                 self.wake()
         elif budget.spent(building):
+            budget.close()
             self.sleep()
 
     def wake(self) -> None:
