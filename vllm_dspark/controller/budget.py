@@ -104,9 +104,10 @@ class ExplorationBudget:
         return self._episode is not None
 
     def close(self) -> None:
-        """The episode ended. One that lost marks its batch size: the next
-        episode there waits until the loss is earned back."""
-        if self.balance < self._opened:
+        """The episode ended. One that lost (or could not be priced) marks
+        its batch size: the next episode there waits until the loss is
+        earned back."""
+        if self.balance < self._opened or self._unpriced >= self._max_unpriced:
             self._marks[self._episode] = self._opened
         else:
             self._marks.pop(self._episode, None)

@@ -81,7 +81,7 @@ class ControllerTuning:
     budget_cap_steps: float = 64.0  # the most the balance holds, in plain steps: full, it re-tests a no-draft verdict
     episode_tokens: float = 32.0  # decoded tokens' worth the balance must hold before a speculating episode starts
     budget_warmup_steps: int = 8  # plain steps the nospec model sees before steps are priced
-    budget_unpriced_steps: int = 64  # speculating steps in a row at an unmeasured batch size that end an episode
+    budget_unpriced_steps: int = 16  # speculating steps in a row at an unmeasured batch size that end an episode
     cost: CostModelTuning = field(default_factory=CostModelTuning)
     calibration: CalibrationTuning = field(default_factory=CalibrationTuning)
     survival: SurvivalTuning = field(default_factory=SurvivalTuning)
