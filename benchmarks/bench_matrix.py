@@ -134,7 +134,7 @@ ARM_TITLES = {"nospec": "no-spec", "dspark-k7": "full K=7", "dspark-k3": "full K
 def matrix_table(record: dict) -> str:
     """The matrix as a markdown table: a row per cell row, the arms' figures, the ratio."""
     lines = ["| cell | row | " + " | ".join(ARM_TITLES.values()) + " | adaptive / best other (90%) "
-             "| adaptive / K=7 | runs | integrity | verdict |", "|---" * 10 + "|"]
+             "| adaptive / K=7 | runs | commit | integrity | verdict |", "|---" * (len(ARM_TITLES) + 8) + "|"]
     for key in sorted(record.get("cells", {})):
         for label, row in (record["cells"][key].get("summary") or {}).items():
             figs = " | ".join(f"{row['figures'][a]:,.0f}" if a in row["figures"] else "–" for a in ARM_TITLES)
@@ -142,7 +142,8 @@ def matrix_table(record: dict) -> str:
                      f"{row['interval90'][1]:.2f})") if "ratio" in row else "–"
             k7 = f"{row['vs_k7']:.2f}" if "vs_k7" in row else "–"
             same = "identical {}/{}".format(*row["identical"])
-            lines.append(f"| {key} | {label} | {figs} | {ratio} | {k7} | {row['runs']} | "
+            commits = ",".join(sorted({r["provenance"]["commit"] for r in record["cells"][key].get("runs", [])}))
+            lines.append(f"| {key} | {label} | {figs} | {ratio} | {k7} | {row['runs']} | {commits} | "
                          f"{'ok' if row['integrity_ok'] else 'NOT OK'} ({same}) | {row.get('verdict', '–')} |")
     return "\n".join(lines)
 
