@@ -61,8 +61,8 @@ def _quiet(log_path: Path):
 def main() -> int:
     log_path = Path(tempfile.gettempdir()) / "vllm_dspark_demo.log"
     screen = _quiet(log_path)
-    from vllm_dspark.benchmarking import ENGINE_DEFAULTS, TINY_DRAFTER, TINY_TARGET, measure_arm
-    from vllm_dspark.fingerprint import machine_info
+    from vllm_dspark.benchmarking import TINY_DRAFTER, TINY_TARGET, measure_arm
+    from vllm_dspark.fingerprint import cpu_dtype, machine_info
     from vllm_dspark.training.prompts import load_prompts
 
     target, drafter = str(REPO / TINY_TARGET), str(REPO / TINY_DRAFTER)
@@ -72,11 +72,12 @@ def main() -> int:
     print(f"vLLM {vllm}; vLLM's own output goes to {log_path}", file=screen)
     print("two engines start in turn (about 45 s each on 2 CPU cores) ...", file=screen)
     spec = {"method": "dspark", "model": drafter, "num_speculative_tokens": 7}
-    base = measure_arm("no speculation", target, prompts, CONCURRENCY, MAX_TOKENS)
+    dtype = cpu_dtype(info["cpu_flags"])
+    base = measure_arm("no speculation", target, prompts, CONCURRENCY, MAX_TOKENS, dtype=dtype)
     print("  no speculation: done", file=screen)
-    dspark = measure_arm("DSpark K=7", target, prompts, CONCURRENCY, MAX_TOKENS, spec=spec)
+    dspark = measure_arm("DSpark K=7", target, prompts, CONCURRENCY, MAX_TOKENS, spec=spec, dtype=dtype)
     print("  DSpark: done\n", file=screen)
-    print(format_table(base, dspark, info, ENGINE_DEFAULTS["dtype"]), file=screen)
+    print(format_table(base, dspark, info, dtype), file=screen)
     return 0
 
 

@@ -56,12 +56,19 @@ def test_verdict_uses_the_head_to_head_where_run(duel_ratio, verdict):
     assert out["vs_best_other_per_round"][16] == pytest.approx(0.91)  # still reported
 
 
-def test_readme_results_are_the_latest_run():
-    """The README's results table is generated from benchmarks/results/latest/
-    (regenerate: bench_dspark.results_table on that record)."""
+def test_published_results_are_the_latest_runs():
+    """The README's matrix table and docs/benchmarks.md's sweep table are
+    generated from benchmarks/results/latest/ (regenerate:
+    bench_matrix.matrix_table and bench_dspark.results_table on those records)."""
     import json
+    import sys
 
     repo = Path(__file__).resolve().parents[1]
     bench = _bench_module()
-    record = json.loads((repo / "benchmarks" / "results" / "latest" / "dspark_vs_nospec.json").read_text())
-    assert bench.results_table(record) in (repo / "README.md").read_text()
+    latest = repo / "benchmarks" / "results" / "latest"
+    record = json.loads((latest / "dspark_vs_nospec.json").read_text())
+    assert bench.results_table(record) in (repo / "docs" / "benchmarks.md").read_text()
+    sys.path.insert(0, str(repo / "benchmarks"))
+    from bench_matrix import matrix_table
+
+    assert matrix_table(json.loads((latest / "matrix.json").read_text())) in (repo / "README.md").read_text()

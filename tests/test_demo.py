@@ -35,3 +35,11 @@ def test_table_survives_a_row_with_nothing_measured():
     assert "? x? (no AVX2/AVX-512/AMX), float32" in table
     assert table.splitlines()[2].split()[:4] == ["4", "-", "-", "-"]
     assert table.endswith(demo.NOTHING_VERIFIED)
+
+
+def test_demo_dtype_follows_the_cpu_s_bf16_instructions():
+    from vllm_dspark.fingerprint import cpu_dtype
+
+    assert cpu_dtype(["avx2", "avx512f", "avx512_bf16"]) == "bfloat16"
+    assert cpu_dtype(["avx2", "amx_bf16", "amx_tile"]) == "bfloat16"
+    assert cpu_dtype(["avx2", "avx512f"]) == cpu_dtype(["avx2"]) == "float32"

@@ -106,10 +106,11 @@ def mean_accepted_length(before: dict, after: dict) -> float | None:
 
 
 def measure_arm(label: str, target: str, prompts: list[str], concurrencies: list[int],
-                max_tokens: int, spec: dict | None = None, knobs: dict | None = None) -> list[dict]:
+                max_tokens: int, spec: dict | None = None, knobs: dict | None = None,
+                **overrides) -> list[dict]:
     """Start one engine, measure tok/s (and tau with speculation) at each
     concurrency, stop it. A wave count keeps short runs from being all noise."""
-    llm = start_engine(target, max_num_seqs=max(concurrencies), spec=spec, knobs=knobs)
+    llm = start_engine(target, max_num_seqs=max(concurrencies), spec=spec, knobs=knobs, **overrides)
     try:
         measure_offline(llm, prompts[:4], 4, 16)  # warm-up
         rows = []

@@ -60,10 +60,11 @@ class DSparkKnobs(BaseModel):
     dormant_after_steps: int = Field(
         default=64, ge=0,
         description="policy=adaptive: once drafting was skipped on at least 90% of the last this many "
-        "steps and would not pay now, with 8 or more requests about to run, the controller is dormant: "
-        "steps run as vLLM's steps without speculation (eager, non-hybrid targets) and requests "
-        "admitted meanwhile keep no drafter context, which makes the engine about as cheap as one "
-        "without speculation. It ends once drafting pays again. 0: never.",
+        "steps and would not pay now, or once the exploration budget is spent (and from the first step "
+        "until it can price speculation), the controller is dormant: steps run as vLLM's steps without "
+        "speculation (eager, non-hybrid targets) and requests admitted meanwhile keep no drafter "
+        "context, which makes the engine about as cheap as one without speculation. It ends when the "
+        "budget affords an episode of speculation. 0: never dormant, no budget.",
     )
     adaptive_depth: bool = Field(
         default=True,
