@@ -33,9 +33,8 @@ def hold_dormant(worker) -> bool:
     from vllm_dspark.controller.dormancy import Dormancy
 
     class Held(Dormancy):
-        def update(self, *args, **kwargs):
-            super().update(*args, **kwargs)
-            self.dormant = True
+        def wake(self):  # neither the models nor the exploration budget end it
+            pass
 
     ctl = worker.model_runner.dspark
     ctl.dormancy = Held(ctl.tuning, ctl.knobs.dormant_after_steps)
