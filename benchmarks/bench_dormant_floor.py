@@ -37,7 +37,7 @@ def hold_dormant(worker) -> bool:
             pass
 
     ctl = worker.model_runner.dspark
-    ctl.dormancy = Held(ctl.tuning, ctl.knobs.dormant_after_steps)
+    ctl.dormancy = Held(ctl.tuning, ctl.knobs.dormant_after_steps, ctl.dormancy.budget)
     ctl.dormancy.dormant = True
     return True
 

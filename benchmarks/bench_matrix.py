@@ -228,14 +228,9 @@ def estimate_s(args, regime: str, workload: str) -> float:
     return EST["worker"] + arms * EST["server"] + args.serve_rounds * arms * one
 
 
-def head_commit() -> str:
-    done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
-    return done.stdout.strip() or "unknown"
-
-
 def main(argv=None) -> dict:
     argv = sys.argv[1:] if argv is None else list(argv)
-    from vllm_dspark.benchmarking import LATEST, TINY_DRAFTER, TINY_TARGET, archive, write_record
+    from vllm_dspark.benchmarking import LATEST, TINY_DRAFTER, TINY_TARGET, archive, head_commit, write_record
     from vllm_dspark.fingerprint import machine_info
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -9,7 +9,6 @@ OUT_JSON. Progress lines start with ``[matrix]`` / ``[bench]``; vLLM's own logs 
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -97,16 +96,10 @@ def run_waves(job: dict, prompts: list[str]) -> tuple[dict, dict]:
     return rows, identity(outs, {n: all(len(o) == mt for o in v) for n, v in outs.items()})
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_server(name: str, job: dict, work: Path) -> tuple:
     import urllib.request
 
-    from vllm_dspark.benchmarking import ENGINE_DEFAULTS, KV_CACHE_BYTES
+    from vllm_dspark.benchmarking import ENGINE_DEFAULTS, KV_CACHE_BYTES, free_port
 
     port, (spec, knobs) = free_port(), arm_spec(name, job["drafter"])
     cmd = [str(Path(sys.executable).parent / "vllm"), "serve", job["target"], "--host", "127.0.0.1",

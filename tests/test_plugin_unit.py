@@ -249,7 +249,7 @@ def test_requests_admitted_while_dormant_get_no_context():
     ledger.forget({"a"})
     live.update({"c", "d"})
     assert ledger.admit(("c", "d"), ["b", "c", "d"], dormant=True) == (2, 0)
-    assert ledger.among(["b", "c", "d"]) == {"b", "c", "d"} and ledger.covers(["b", "c", "d"])
+    assert ledger.among(["b", "c", "d"]) == {"b", "c", "d"} and ledger.all_without(["b", "c", "d"])
     state = SimpleNamespace(sampling_params=SimpleNamespace(max_tokens=None, extra_args=None), output_token_ids=[])
     runner = SimpleNamespace(requests={"a": state, "b": state}, drafter=SimpleNamespace(block_len=4))
     assert ledger.zero_caps(["a", "b"], _Requests(runner, ["a", "b"], None).caps()) == [4, 0]

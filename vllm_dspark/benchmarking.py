@@ -206,23 +206,38 @@ def provenance(argv: list[str], engine: bool = True) -> dict:
     """What produced a run: the commit (and whether the tree had changes), the
     command, the environment that changes it, the engine settings (dtype, KV
     bytes: ``engine``, the run started engines) and the machine."""
-    import subprocess
-
     from vllm_dspark.fingerprint import machine_info
 
-    def git(*args) -> str:
-        try:
-            return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=30).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            return ""
-
-    dirty = [line for line in git("status", "--porcelain").splitlines() if "benchmarks/results/" not in line]
+    dirty = [line for line in _git("status", "--porcelain").splitlines() if "benchmarks/results/" not in line]
     env = {k: v for k, v in os.environ.items() if k.startswith(PERF_ENV_PREFIXES)}
-    out = {"commit": git("rev-parse", "--short", "HEAD") or "unknown", "dirty": bool(dirty), "argv": list(argv),
+    out = {"commit": head_commit(), "dirty": bool(dirty), "argv": list(argv),
            "env": env, "machine": machine_info(all_flags=True)}
     if engine:
         out["engine_defaults"] = ENGINE_DEFAULTS
     return out
+
+
+def head_commit() -> str:
+    """The checkout's commit, short ("unknown" outside git)."""
+    return _git("rev-parse", "--short", "HEAD") or "unknown"
+
+
+def _git(*args) -> str:
+    import subprocess
+
+    try:
+        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def free_port() -> int:
+    """A free TCP port on the loopback interface (for a `vllm serve`)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _provenance_path(out: Path) -> Path:

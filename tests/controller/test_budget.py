@@ -119,7 +119,7 @@ def _decisions(trace, curve, share):
     """Every step's (ran plain, verify lengths) of a fresh adaptive
     controller at 4 requests, its timings replaced through ``share``."""
     policy = ControllerPolicy("adaptive", trace.block_len, {"policy": "adaptive"}, curve)
-    policy.ctl.clock._share = share
+    policy.ctl.clock.share = share
     blocks = draw_blocks(trace, 4, 400, seed=1)
     out = []
     for s in range(400):

@@ -3,7 +3,6 @@ loopback: greedy completions equal the offline no-speculation output."""
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -14,21 +13,15 @@ import requests
 
 from tests.conftest import TARGET_DIR
 from tests.e2e.conftest import IDENTITY_TOKENS, TEST_DTYPE, dspark_config
-from vllm_dspark.benchmarking import KV_CACHE_BYTES
+from vllm_dspark.benchmarking import KV_CACHE_BYTES, free_port
 
 pytestmark = pytest.mark.e2e
 STARTUP_TIMEOUT_S = 300
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(nospec_reference, tmp_path_factory):
-    port = _free_port()
+    port = free_port()
     log = tmp_path_factory.mktemp("serve") / "server.log"
     cmd = [str(Path(sys.executable).parent / "vllm"), "serve", str(TARGET_DIR),
            "--speculative-config", json.dumps(dspark_config(7)),

@@ -17,15 +17,15 @@ the load changes). An episode of speculation starts while the balance holds
 the reserve, ``episode_tokens`` decoded tokens' worth, or where the cost
 models say drafting pays, on any balance not in debt, and only once what the
 last episode at about this batch size (the same power of two) lost has been
-earned back (the models may be wrong at one load and right at another); it
-ends once it has lost a reserve,
-plus, while its requests' drafter context builds up, a credit of what it
-opened with (the cap where the models were sure) scaled by the share of the
-batch still without context; meanwhile a step verifies at most as many drafts as the
-balance is worth in decoded tokens (a verified token costs no more than a
-decoded one). So over any stretch the engine gives up at most twice ``share`` of
-its time, plus a cap and one step's drafting, plus the nospec model's
-error, whatever the other models believe. A speculating step at a batch size
+earned back (the models may be wrong at one load and right at another). It
+ends once it has lost a reserve, plus, while its requests' drafter context
+builds up, a credit of what it opened with (the cap where the models were
+sure) scaled by the share of the batch still without context; meanwhile a
+step verifies at most as many drafts as that room is worth in decoded tokens
+(a verified token costs no more than a decoded one). So over any stretch the
+engine gives up about ``share`` of its time, plus a reserve and a credit per
+batch size and one step's drafting, plus the nospec model's error, whatever
+the other models believe. A speculating step at a batch size
 or token count the nospec model has not seen lately is not priced; enough of
 them in a row end the episode, so plain steps measure it.
 """
@@ -65,7 +65,8 @@ class ExplorationBudget:
             return
         nospec = self._nospec
         params = nospec.params
-        if nospec.covers(s.reqs, s.reqs):  # the price of a decoded token at this batch
+        decodes = nospec.covers(s.reqs, s.reqs)
+        if decodes:  # the price of a decoded token at this batch
             self._step = params.predict(s.reqs, s.reqs)
             if not self._token:
                 self.balance = self._reserve * self._step / s.reqs
@@ -74,21 +75,25 @@ class ExplorationBudget:
             self._unpriced = 0
             self.earn(s.seconds)
             return
-        if not (self._token and nospec.covers(s.reqs, s.reqs) and nospec.covers(s.reqs, s.tokens - s.draft_tokens)):
+        if not (self._token and decodes and nospec.covers(s.reqs, s.tokens - s.draft_tokens)):
             self._unpriced += 1
             return
         self._unpriced = 0
         baseline = params.predict(s.reqs, s.tokens - s.draft_tokens) + s.accepted * self._token
         excess = s.seconds + s.extra_seconds - baseline
         self.excess += excess
-        self.nospec_seconds += baseline
-        self.balance = min(self._cap * self._step, self.balance + self._share * baseline - excess)
+        self._pay_in(baseline, self._share * baseline - excess)
 
     def earn(self, seconds: float) -> None:
         """A plain step (left out of the models or not: dormant steps are alike)."""
         if self._step:
-            self.nospec_seconds += seconds
-            self.balance = min(self._cap * self._step, self.balance + self._share * seconds)
+            self._pay_in(seconds, self._share * seconds)
+
+    def _pay_in(self, baseline: float, amount: float) -> None:
+        """A priced step: no speculation would have taken ``baseline``; the
+        balance moves by ``amount``, up to the cap."""
+        self.nospec_seconds += baseline
+        self.balance = min(self._cap * self._step, self.balance + amount)
 
     def open(self, sure: bool, rows: int) -> None:
         """An episode starts. While its requests' drafter context builds up
@@ -125,21 +130,23 @@ class ExplorationBudget:
     def full(self) -> bool:
         return self._step > 0 and self.balance >= self._cap * self._step
 
+    def _room(self, building: float) -> float:
+        """What the episode may still lose: a reserve, and its credit for
+        ``building`` (the share of the batch without drafter context: none
+        once all have it), beyond what it opened with."""
+        return self.balance - self._opened + self._reserve * self._token + self._credit * building * self._step
+
     def spent(self, building: float) -> bool:
-        """End the speculating episode? It lost more than a reserve beyond
-        its credit for ``building`` (the share of the batch without drafter
-        context: none once all have it), or too many steps in a row could
-        not be priced."""
-        floor = self._opened - self._reserve * self._token - self._credit * building * self._step
-        return self._token > 0 and (self.balance < floor or self._unpriced >= self._max_unpriced)
+        """End the speculating episode? It has no room left, or too many
+        steps in a row could not be priced."""
+        return self._token > 0 and (self._room(building) < 0 or self._unpriced >= self._max_unpriced)
 
     def draft_tokens(self, building: float) -> int | None:
-        """The most drafts one step may verify: what the balance is worth in
-        decoded tokens, credit included (None: not priced yet)."""
+        """The most drafts one step may verify: the episode's room in decoded
+        tokens (None: not priced yet)."""
         if self._token <= 0:
             return None
-        room = self.balance - self._opened + self._reserve * self._token + self._credit * building * self._step
-        return max(0, math.floor(room / self._token))
+        return max(0, math.floor(self._room(building) / self._token))
 
     def loss_share(self) -> float | None:
         """What speculation cost over no speculation, as a share of the latter."""

@@ -38,7 +38,7 @@ class StepClock:
                  share: Callable[[list[float]], list[float]] | None = None):
         """``share``: rank 0's values for this rank's (tensor parallelism: rank_sync.py)."""
         self._now = now  # the simulator passes its own clock
-        self._share = share
+        self.share = share
         self._max_gap, self._ema = tuning.max_engine_gap_s, tuning.gap_ema
         self._t_start: float | None = None
         self._t_end: float | None = None
@@ -58,13 +58,20 @@ class StepClock:
                 gap = self._gap[held.verifies]
             held = held._replace(seconds=held.seconds + gap)
         self._t_start = now
-        return held if self._share is None else self._rank0(held)
+        return held if self.share is None else self._rank0(held)
+
+    def agree(self, *values) -> tuple:
+        """Rank 0's values (ints) for this rank's decisions. Under tensor parallelism
+        a rank's confidences may differ from rank 0's in the last bit, and the
+        drafter's collectives need every rank to run the same kind of step at
+        the same depth. A collective: every rank calls it at the same points."""
+        return values if self.share is None else tuple(round(v) for v in self.share([float(v) for v in values]))
 
     def _rank0(self, held: StepSample | None) -> StepSample | None:
         """The step as rank 0 timed it. Every rank calls this on every step (a collective)."""
         mine = (1.0, held.seconds, held.draft_seconds, held.walk_seconds,
                 held.extra_seconds) if held is not None else (0.0,) * 5
-        present, seconds, draft, walk, extra = self._share(list(mine))
+        present, seconds, draft, walk, extra = self.share(list(mine))
         if held is None or not present:
             return None
         return held._replace(seconds=seconds, draft_seconds=draft, walk_seconds=walk, extra_seconds=extra,

@@ -38,7 +38,7 @@ class ContextLedger:
         """A plain step: every request in it keeps no context."""
         self._without.update(req_ids)
 
-    def covers(self, req_ids) -> bool:
+    def all_without(self, req_ids) -> bool:
         """No request of ``req_ids`` has context."""
         without = self._without
         return len(without) >= len(req_ids) and all(rid in without for rid in req_ids)

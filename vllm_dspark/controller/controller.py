@@ -53,11 +53,10 @@ class DSparkController:
             self.costs.pin(knobs.pinned_curve(), knobs.cost_curve)
         self.acceptance = acceptance or AcceptanceModel(block_len, tuning, calibrate=knobs.calibration)
         self.gate = DraftGate(block_len, tuning, knobs.slo_tokens_per_s)
-        self.dormancy = Dormancy(tuning, knobs.dormant_after_steps if self.policy.gates_drafting else 0,
-                                 start_dormant=not knobs.cost_curve)
         self.budget = ExplorationBudget(self.costs.nospec, tuning)
         # A pinned cost curve decides alone: no measured guard over it.
-        self._guarded = self.dormancy.enabled and not knobs.cost_curve
+        self.dormancy = Dormancy(tuning, knobs.dormant_after_steps if self.policy.gates_drafting else 0,
+                                 None if knobs.cost_curve else self.budget)
         self.ledger = ContextLedger()
         self.telemetry = Telemetry(block_len, knobs.trace_folder(), knobs.policy, knobs.log_every)
         self.clock = StepClock(tuning, now, share)
@@ -72,16 +71,15 @@ class DSparkController:
     # -- the step, in order -------------------------------------------------
     def begin_step(self, view: StepView) -> StepPlan | None:
         """A step starts. Returns the plan at once when it runs as vLLM's step
-        without speculation (dormant, nothing to verify); else None, and the
-        drafting plan comes from ``plan`` after verification."""
+        without speculation; else None (the plan comes from ``plan``)."""
         sample = self.clock.begin()
         if sample is not None:
             self._record(sample)
         self._view, self._gained = view, (0, 0)
         self.ledger.forget(view.finished_req_ids)
         # A step in which no request keeps drafter context has no speculative work either.
-        self._plain_step = not view.verifies and (self.dormancy.dormant or (
-            self.dormancy.enabled and not view.new_req_ids and self.ledger.covers(view.req_ids)))
+        (self._plain_step,) = self.clock.agree(not view.verifies and (self.dormancy.dormant or (
+            self.dormancy.enabled and not view.new_req_ids and self.ledger.all_without(view.req_ids))))
         if not (self._plain_steps and self._plain_step):
             return None
         if view.num_reqs:
@@ -103,9 +101,10 @@ class DSparkController:
     def plan(self, requests: RequestView) -> StepPlan:
         """Draft this step, how deep, and whose context to keep if not."""
         rows = len(requests.req_ids)
-        if not self.policy.gates_drafting or rows == 0 or not self._skips(rows, requests):
-            return StepPlan("draft", self.depth)
-        return StepPlan("skip", self.depth, self.ledger.among(requests.req_ids))
+        skips, self.depth = self.clock.agree(self.policy.gates_drafting and rows > 0 and self._skips(rows, requests),
+                                             self.depth)
+        return StepPlan("skip", self.depth, self.ledger.among(requests.req_ids)) if skips else StepPlan(
+            "draft", self.depth)
 
     def choose(self, blocks: DraftBlocks) -> list[int]:
         """Verify lengths [B] for this step's blocks."""
@@ -114,8 +113,9 @@ class DSparkController:
         self.acceptance.remember(blocks, caps, self.steps, conf if self.telemetry.trace is not None else None)
         # Past the walked depth there are no drafts to verify.
         cap = torch.tensor(caps, dtype=torch.int32, device=conf.device).clamp(0, min(conf.shape[1], self.depth))
-        allowance = self.budget.draft_tokens(self._building) if self._guarded else None
-        lengths = self.policy.lengths(conf, cap, self.costs, self._view, self.depth, allowance).tolist()
+        allowance = self.budget.draft_tokens(self._building) if self.dormancy.guarded else None
+        lengths = list(self.clock.agree(*self.policy.lengths(conf, cap, self.costs, self._view, self.depth,
+                                                              allowance).tolist()))
         self.telemetry.chose(lengths, self.depth)
         return lengths
 
@@ -147,7 +147,7 @@ class DSparkController:
             return self._skip()
         estimate = self.acceptance.estimate()
         if estimate is None:
-            dormancy.heed(self.budget, True, self._guarded, self._building, rows)
+            dormancy.heed(True, self._building, rows)
             self.depth = self.k
             contexts = self._admit(requests)
             return self._skip(counted=contexts > 0) if contexts == 0 or dormancy.dormant else self._draft()
@@ -155,9 +155,9 @@ class DSparkController:
         verdict = assessment.best()
         curious = not self.costs.draft.trusted
         dormancy.update(verdict.net, verdict.spend, self.costs.model_error(), settled=not curious)
-        dormancy.heed(self.budget, curious, self._guarded, self._building, rows)
+        dormancy.heed(curious, self._building, rows)
         contexts = self._admit(requests)
-        if dormancy.dormant or (self._guarded and self.budget.draft_tokens(self._building) == 0):
+        if dormancy.dormant or (dormancy.guarded and self.budget.draft_tokens(self._building) == 0):
             return self._skip()
         if verdict.net > 0 and requests is not None:
             # Caps only take candidates away: read (a pass over every request)
@@ -191,6 +191,7 @@ class DSparkController:
         return False
 
     # -- bookkeeping ------------------------------------------------------------
+
     def _record(self, sample: StepSample) -> None:
         if sample.recorded:
             predicted = self.costs.observe(sample)

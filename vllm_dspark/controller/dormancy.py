@@ -18,20 +18,24 @@ break-even flips on noise) and the budget.
 
 from collections import deque
 
+from vllm_dspark.controller.budget import ExplorationBudget
 from vllm_dspark.controller.tuning import ControllerTuning
 
 
 class Dormancy:
-    def __init__(self, tuning: ControllerTuning, after_steps: int, start_dormant: bool = True):
+    def __init__(self, tuning: ControllerTuning, after_steps: int, budget: ExplorationBudget | None = None):
+        """``budget``: the measured guard over the rule (None: the models'
+        rule alone, as with a pinned cost curve)."""
         t = tuning
         self._share = t.dormant_skip_share
         self._recheck, self._exit_checks, self._record_every = (t.dormant_recheck_every, t.dormant_exit_checks,
                                                                  t.dormant_record_every)
         self.enabled = bool(after_steps)
+        self.budget = budget if self.enabled else None
         # Whether the drafter was skipped, for the last after_steps steps, and how many skipped.
         self._recent: deque[bool] = deque(maxlen=max(1, after_steps))
         self._recent_skipped = 0
-        self.dormant = self.enabled and start_dormant
+        self.dormant = self.guarded  # until the budget can price speculation
         self._cheap = 0  # steps skipped without the rule since it last ran
         self._paying = 0  # checks in a row where drafting would pay
         self._plain = 0  # dormant plain steps finished (for record_every)
@@ -60,15 +64,20 @@ class Dormancy:
         """Dormant, and drafting paid beyond the models' error on the last checks."""
         return self._paying >= self._exit_checks
 
-    def heed(self, budget, curious: bool, guarded: bool, building: float, rows: int) -> None:
-        """The exploration budget's say (``guarded``; else the models' alone).
-        An episode of speculation starts where the models say drafting pays
+    @property
+    def guarded(self) -> bool:
+        return self.budget is not None
+
+    def heed(self, curious: bool, building: float, rows: int) -> None:
+        """The exploration budget's say at ``rows`` requests (unguarded: the
+        models' alone). An episode of speculation starts where the models say drafting pays
         (on credit, more where they are not ``curious``: budget.py), or,
         while the budget holds its reserve, where they know too little to say
         (``curious``) or the balance is full (re-testing a verdict that may
         be stale); it ends as soon as the budget is spent (``building``: the
         share of the batch without drafter context)."""
-        if not guarded:
+        budget = self.budget
+        if budget is None:
             if self.dormant and self.pays:
                 self.wake()
         elif self.dormant:
