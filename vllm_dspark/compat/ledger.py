@@ -137,7 +137,8 @@ LEDGER: tuple[Hook, ...] = (
     ),
     Hook(
         "vllm.distributed.parallel_state.GroupCoordinator.broadcast", "call",
-        "Sends rank 0's step timings to the other ranks, once a step.", "-", "-", ("self", "input_", "src"),
+        "Sends rank 0's step timings and decisions (plain step, skip and depth, verify lengths) to the "
+        "other ranks.", "-", "-", ("self", "input_", "src"),
     ),
     Hook(
         "vllm.utils.torch_utils.async_tensor_h2d", "call",
