@@ -92,6 +92,64 @@ def test_an_episode_ends_when_its_balance_is_spent_or_its_batch_is_unmeasured():
     assert u.spent(0.0)
 
 
+def _lose_episode(b: ExplorationBudget) -> None:
+    b.open(False, 1)
+    while not b.spent(0.0):
+        b.settle(StepSample(1, 8, True, 0.020, 0.005, 1, plain=False, draft_tokens=7, accepted=0))
+    b.close()
+
+
+def _earn_until_due(b: ExplorationBudget) -> int:
+    steps = 0
+    while not b.retest_due(1):
+        b.settle(_plain())
+        steps += 1
+        assert steps < 10 ** 6
+    return steps
+
+
+def test_a_lost_episode_is_retested_once_earned_back_and_each_loss_in_a_row_doubles_the_wait():
+    """The models' verdict after a lost episode rests on its few blocks and
+    nothing updates it while dormant: the budget itself re-tests, each loss in
+    a row there doubling the wait, which keeps the loss rate near the share."""
+    b = _budget()
+    b.settle(_plain())
+    assert not b.retest_due(1)  # nothing lost yet: no re-test is due
+    _lose_episode(b)
+    assert not b.retest_due(1) and not b.retest_due(4)
+    waits = [_earn_until_due(b)]
+    for _ in range(2):
+        _lose_episode(b)
+        waits.append(_earn_until_due(b))
+    # Each episode loses about a reserve; earning it back at the share takes
+    # reserve / share plain steps, then twice that; past that a full balance
+    # is due (the cap: 64 steps' worth, two reserves here).
+    per_loss = TUNING.episode_tokens / TUNING.budget_share
+    assert 0.9 * per_loss <= waits[0] <= 1.2 * per_loss
+    assert waits[1] >= 1.7 * waits[0] and b.full
+    # A winning episode clears the mark.
+    b.open(False, 1)
+    for _ in range(50):
+        b.settle(StepSample(1, 8, True, 0.006, 0.001, 1, plain=False, draft_tokens=7, accepted=7))
+    b.close()
+    assert not b.retest_due(1)
+
+
+def test_a_dormant_engine_wakes_for_a_due_retest_though_its_models_say_no():
+    from vllm_dspark.controller.dormancy import Dormancy
+
+    b = _budget()
+    b.settle(_plain())
+    d = Dormancy(TUNING, 32, b)
+    assert d.dormant
+    _lose_episode(b)
+    d.heed(False, 0.0, 1)  # models settled, saying no, loss not earned back
+    assert d.dormant
+    _earn_until_due(b)
+    d.heed(False, 0.0, 1)
+    assert not d.dormant and b.episode_open
+
+
 def _cold(trace, curve, r, tokens=2000, seed=0):
     steps = -(-tokens // r)
     blocks = draw_blocks(trace, r, steps, seed)

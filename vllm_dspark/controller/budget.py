@@ -17,7 +17,11 @@ the load changes). An episode of speculation starts while the balance holds
 the reserve, ``episode_tokens`` decoded tokens' worth, or where the cost
 models say drafting pays, on any balance not in debt, and only once what the
 last episode at about this batch size (the same power of two) lost has been
-earned back (the models may be wrong at one load and right at another). It
+earned back (the models may be wrong at one load and right at another);
+that episode is due then, whatever the models say (their verdict rests on
+the lost episode's few blocks, and nothing updates it while dormant), and
+each further loss in a row there doubles what must be earned first, up to a
+full balance. It
 ends once it has lost a reserve, plus, while its requests' drafter context
 builds up, a credit of what it opened with (the cap where the models were
 sure) scaled by the share of the batch still without context; meanwhile a
@@ -52,7 +56,8 @@ class ExplorationBudget:
         self._credit = 0.0  # plain steps of debt the episode may run into while building context
         self._opened = 0.0  # the balance the last episode opened with
         self._episode: int | None = None  # the open episode's batch-size class (None: none open)
-        self._marks: dict[int, float] = {}  # per batch-size class: what its last losing episode opened with
+        # Per batch-size class after a losing episode: (the balance it must regain, the losses in a row there).
+        self._marks: dict[int, tuple[float, int]] = {}
 
     @property
     def ready(self) -> bool:
@@ -113,7 +118,12 @@ class ExplorationBudget:
         its batch size: the next episode there waits until the loss is
         earned back."""
         if self.balance < self._opened or self._unpriced >= self._max_unpriced:
-            self._marks[self._episode] = self._opened
+            # An unpriced episode measured nothing: count it as a reserve lost.
+            lost = max(self._opened - self.balance, 0.0 if self._unpriced < self._max_unpriced
+                       else self._reserve * self._token)
+            _, losses = self._marks.get(self._episode, (0.0, 0))
+            need = min(self._opened + lost * (2 ** losses - 1), self._cap * self._step)
+            self._marks[self._episode] = (need, losses + 1)
         else:
             self._marks.pop(self._episode, None)
         self._episode = None
@@ -124,7 +134,12 @@ class ExplorationBudget:
         either way only once what the last episode at about this batch size
         lost has been earned back."""
         need = 0.0 if pays else self._reserve * self._token
-        return self._token > 0 and self.balance >= max(need, self._marks.get(rows.bit_length(), need))
+        return self._token > 0 and self.balance >= max(need, self._marks.get(rows.bit_length(), (need,))[0])
+
+    def retest_due(self, rows: int) -> bool:
+        """The last episode at about ``rows`` requests lost, and what it must
+        earn first has been earned: the next one is due."""
+        return rows.bit_length() in self._marks and self.affords_episode(False, rows)
 
     @property
     def full(self) -> bool:

@@ -73,8 +73,9 @@ class Dormancy:
         models' alone). An episode of speculation starts where the models say drafting pays
         (on credit, more where they are not ``curious``: budget.py), or,
         while the budget holds its reserve, where they know too little to say
-        (``curious``) or the balance is full (re-testing a verdict that may
-        be stale); it ends as soon as the budget is spent (``building``: the
+        (``curious``), where the last episode lost and its loss is earned
+        back, or where the balance is full (re-testing a verdict that may be
+        stale); it ends as soon as the budget is spent (``building``: the
         share of the batch without drafter context)."""
         budget = self.budget
         if budget is None:
@@ -84,7 +85,7 @@ class Dormancy:
             if budget.episode_open:  # ended since (by the models' rule)
                 budget.close()
             pays = self.pays
-            if budget.affords_episode(pays, rows) and (pays or curious or budget.full):
+            if budget.affords_episode(pays, rows) and (pays or curious or budget.full or budget.retest_due(rows)):
                 budget.open(pays and not curious, rows)
                 self.wake()
         elif budget.spent(building):
