@@ -150,6 +150,48 @@ def test_a_dormant_engine_wakes_for_a_due_retest_though_its_models_say_no():
     assert not d.dormant and b.episode_open
 
 
+def test_an_exploring_episode_is_a_trial_that_drafts_whatever_the_models_say():
+    """An episode the models did not call for drafts its first trial_steps
+    steps with context, and the models' rule cannot end it meanwhile (a
+    re-test that skipped on the verdict under test would measure nothing);
+    one they called for is no trial."""
+    from vllm_dspark.controller.dormancy import Dormancy
+    from vllm_dspark.controller.gate import DraftGate
+    from vllm_dspark.controller.plan import NO_STEP
+
+    after = 32
+    b = _budget()
+    b.settle(_plain())
+    d = Dormancy(TUNING, after, b)
+    d.heed(True, 0.0, 1)  # curious: the models know too little
+    assert not d.dormant and d.on_trial
+    gate = DraftGate(7, TUNING, None)
+    assert gate.drafts(-1.0, STEP, 1, NO_STEP, _costs(), d.on_trial)  # a losing verdict, drafted anyway
+    assert not gate.drafts(-1.0, STEP, 0, NO_STEP, _costs(), d.on_trial)  # but never without context
+    for _ in range(after):
+        d.remember(True)  # the window full of skips, and a settled verdict that drafting loses...
+    d.update(-1.0, 1.0, 0.0, settled=True)
+    assert not d.dormant  # ...does not end the trial
+    for _ in range(TUNING.trial_steps):
+        d.remember(False)
+    assert not d.on_trial
+    for _ in range(after):
+        d.remember(True)
+    d.update(-1.0, 1.0, 0.0, settled=True)
+    assert d.dormant and not d.on_trial
+    # Woken where the models say drafting pays: no trial.
+    d._paying = TUNING.dormant_exit_checks
+    b.close()
+    d.heed(False, 0.0, 1)
+    assert not d.dormant and not d.on_trial
+
+
+def _costs():
+    from vllm_dspark.controller.costs import StepCosts
+
+    return StepCosts(7, TUNING)  # nothing learned yet
+
+
 def _cold(trace, curve, r, tokens=2000, seed=0):
     steps = -(-tokens // r)
     blocks = draw_blocks(trace, r, steps, seed)

@@ -166,7 +166,7 @@ class DSparkController:
             if counts[-1] < rows:
                 verdict = assessment.best(counts)
         self.depth = verdict.depth
-        if gate.drafts(verdict.net, assessment.plain, contexts, self._view, self.costs):
+        if gate.drafts(verdict.net, assessment.plain, contexts, self._view, self.costs, dormancy.on_trial):
             return self._draft()
         # A skip for want of context is no verdict on drafting.
         return self._skip(counted=contexts > 0)

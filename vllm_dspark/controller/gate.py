@@ -83,9 +83,11 @@ class DraftGate:
         """A step skipped without the rule (dormant): a probe falls due as it would have."""
         self._skips_in_row += 1
 
-    def drafts(self, net: float, plain: float, contexts: int, view: StepView, costs: StepCosts) -> bool:
+    def drafts(self, net: float, plain: float, contexts: int, view: StepView, costs: StepCosts,
+               trial: bool = False) -> bool:
         """Draft this step, given what drafting would save (``net``), a plain
-        step's cost and how many requests have drafter context?"""
+        step's cost and how many requests have drafter context? On ``trial``
+        (an exploring episode's first steps, dormancy.py) whatever ``net`` says."""
         pays = net > 0
         self._since_skip += 1
         # Drafting is judged against the plain step, and no other model can
@@ -103,7 +105,7 @@ class DraftGate:
         # probe gap (prompts may arrive on every step).
         due = self._skips_in_row + 1
         probe = due >= 2 * probe_every or (due >= probe_every and not view.takes_prompts)
-        if ((pays and not explore) or probe) and contexts:
+        if ((pays and not explore) or probe or trial) and contexts:
             self._skips_in_row = 0
             return True
         self._skips_in_row = 0 if explore else self._skips_in_row + 1
