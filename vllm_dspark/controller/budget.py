@@ -116,11 +116,11 @@ class ExplorationBudget:
     def close(self) -> None:
         """The episode ended. One that lost (or could not be priced) marks
         its batch size: the next episode there waits until the loss is
-        earned back."""
-        if self.balance < self._opened or self._unpriced >= self._max_unpriced:
+        earned back, twice that after two in a row, and so on."""
+        unpriced = self._unpriced >= self._max_unpriced
+        if self.balance < self._opened or unpriced:
             # An unpriced episode measured nothing: count it as a reserve lost.
-            lost = max(self._opened - self.balance, 0.0 if self._unpriced < self._max_unpriced
-                       else self._reserve * self._token)
+            lost = max(self._opened - self.balance, self._reserve * self._token if unpriced else 0.0)
             _, losses = self._marks.get(self._episode, (0.0, 0))
             need = min(self._opened + lost * (2 ** losses - 1), self._cap * self._step)
             self._marks[self._episode] = (need, losses + 1)

@@ -191,7 +191,6 @@ class DSparkController:
         return False
 
     # -- bookkeeping ------------------------------------------------------------
-
     def _record(self, sample: StepSample) -> None:
         if sample.recorded:
             predicted = self.costs.observe(sample)
