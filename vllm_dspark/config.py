@@ -1,4 +1,4 @@
-"""User-facing configuration: the ``dspark`` knobs and the drafter checkpoint.
+"""User-facing configuration: the ``dspark`` knobs (the drafter checkpoint: layouts.py).
 
 Knobs live in vLLM's ``additional_config`` under the key ``"dspark"``::
 
@@ -11,7 +11,6 @@ the fix.
 
 import functools
 import json
-from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -153,78 +152,6 @@ def _parse(raw: dict) -> DSparkKnobs:
         raise DSparkConfigError(
             f'Invalid additional_config["{ADDITIONAL_CONFIG_KEY}"]: ' + "; ".join(problems) + "."
         ) from None
-
-
-REQUIRED_CHECKPOINT_KEYS = ("block_size", "target_layer_ids", "mask_token_id", "markov_rank")
-
-
-def validate_drafter_checkpoint(
-    draft_hf_config: Any,
-    *,
-    path: str,
-    target_vocab_size: int,
-    target_hidden_size: int,
-    target_num_layers: int,
-    num_speculative_tokens: int,
-) -> None:
-    """Check the drafter against the target before any weight is loaded."""
-    archs = list(getattr(draft_hf_config, "architectures", None) or [])
-    if "Qwen3DSparkModel" not in archs:
-        raise DSparkConfigError(
-            f"speculative_config.model={path!r} is not a DSpark checkpoint: its "
-            f"config.json has architectures={archs}, expected ['Qwen3DSparkModel']. "
-            "Point `model` at a DSpark drafter folder (e.g. examples/models/tiny-qwen3-dspark)."
-        )
-    missing = [k for k in REQUIRED_CHECKPOINT_KEYS if getattr(draft_hf_config, k, None) is None]
-    if missing:
-        raise DSparkConfigError(
-            f"DSpark checkpoint {path!r} lacks config keys {missing}; a DSpark config.json "
-            f"needs {list(REQUIRED_CHECKPOINT_KEYS)}."
-        )
-    if draft_hf_config.vocab_size != target_vocab_size:
-        raise DSparkConfigError(
-            f"DSpark drafter {path!r} has vocab_size={draft_hf_config.vocab_size} but the "
-            f"target has {target_vocab_size}; train the drafter against this target's tokenizer."
-        )
-    target_hidden = getattr(draft_hf_config, "target_hidden_size", None) or draft_hf_config.hidden_size
-    if target_hidden != target_hidden_size:
-        raise DSparkConfigError(
-            f"DSpark drafter {path!r} expects target hidden size {target_hidden} but the "
-            f"target has hidden_size={target_hidden_size}; it was trained for another target."
-        )
-    ids = list(draft_hf_config.target_layer_ids)
-    if not ids or ids != sorted(set(ids)) or ids[0] < -1 or ids[-1] >= target_num_layers:
-        raise DSparkConfigError(
-            f"DSpark drafter {path!r} has target_layer_ids={ids}; they must be strictly "
-            f"increasing and within [-1, {target_num_layers - 1}] for a target with "
-            f"{target_num_layers} layers."
-        )
-    block = int(draft_hf_config.block_size)
-    if not 1 <= num_speculative_tokens <= block:
-        raise DSparkConfigError(
-            f"speculative_config.num_speculative_tokens={num_speculative_tokens} is out of "
-            f"range for this drafter: use 1..{block} (its block_size)."
-        )
-
-
-def read_checkpoint_config(path: str) -> dict:
-    """config.json of a drafter folder, with a clear error if it is not one."""
-    folder = Path(path)
-    cfg = folder / "config.json"
-    if not folder.exists():
-        raise DSparkConfigError(
-            f"speculative_config.model={path!r} does not exist; give the path of a "
-            "DSpark drafter folder (with config.json and model.safetensors)."
-        )
-    if not cfg.is_file():
-        raise DSparkConfigError(
-            f"speculative_config.model={path!r} has no config.json; it is not a "
-            "DSpark checkpoint folder."
-        )
-    try:
-        return json.loads(cfg.read_text())
-    except json.JSONDecodeError as e:
-        raise DSparkConfigError(f"{cfg} is not valid JSON ({e}); re-export the drafter.") from None
 
 
 def _values(info) -> str:

@@ -247,6 +247,21 @@ LEDGER: tuple[Hook, ...] = (
         "Markov head: logit bias from that embedding.", "-", "-", ("self", "markov_embed"),
     ),
     Hook(
+        "vllm.model_executor.models.qwen3_dspark.Qwen3DSparkForCausalLM.map_draft_to_target", "call",
+        "A reduced draft vocabulary's target ids (d2t), once per engine.", "-", "-", ("self", "draft_ids"),
+    ),
+    Hook(
+        "vllm.config.model.ModelConfig.get_vocab_size", "call",
+        "The target's vocabulary, where a reduced draft vocabulary's probabilities are placed.",
+        "-", "-", ("self",),
+    ),
+    Hook(
+        "vllm.transformers_utils.configs.speculators.algos.update_dspark", "call",
+        "vLLM translates a speculators-layout DSpark config (layouts.py reads the raw one "
+        "and checks vLLM's result against it).", "-", "-", ("config_dict", "pre_trained_config"),
+        scope="config",
+    ),
+    Hook(
         "vllm.model_executor.models.qwen3_dspark.DSparkMarkovHead", "call",
         "Its markov_w2 weight: where markov_bias is a plain product with it, the walk adds the "
         "bias to the base logits in one addmm (proposer's _markov_matrix).",

@@ -10,15 +10,8 @@ serve dspark.
 
 import contextlib
 import functools
-import os
 
-from vllm_dspark.config import (
-    MAX_VERIFY_KEY,
-    DSparkConfigError,
-    parse_knobs,
-    read_checkpoint_config,
-    validate_drafter_checkpoint,
-)
+from vllm_dspark.config import MAX_VERIFY_KEY, DSparkConfigError, parse_knobs
 
 _MARK = "__vllm_dspark_wrapped__"
 DSPARK_V1_ONLY = "dspark speculative decoding"
@@ -58,39 +51,34 @@ def dspark_active(spec) -> bool:
     return vllm_envs.VLLM_USE_V2_MODEL_RUNNER is not True
 
 
-def _precheck_drafter(spec) -> None:
-    """Before vLLM reads the drafter: it must be a local DSpark folder, or a
-    hub id vLLM can fetch. vLLM would otherwise turn any other architecture
-    into a DeepSeek-V4 DSpark draft, or try the hub for a typo'd path."""
-    path = spec.model
-    if path is None:
+def _read_drafter(spec):
+    """Before vLLM reads the drafter: it must be a DSpark checkpoint in a
+    layout this plugin loads (layouts.py), locally or as a hub id. vLLM would
+    otherwise turn any other architecture into a DeepSeek-V4 DSpark draft."""
+    from vllm_dspark.layouts import read_drafter
+
+    if spec.model is None:
         raise DSparkConfigError(
-            "speculative_config.model is missing: vllm_dspark needs the path of a "
+            "speculative_config.model is missing: vllm_dspark needs the path or hub id of a "
             "DSpark drafter (e.g. examples/models/tiny-qwen3-dspark). For DeepSeek-V4's "
             "built-in DSpark use vLLM's in-tree runner (VLLM_USE_V2_MODEL_RUNNER=1, GPU)."
         )
-    looks_like_hub_id = path.count("/") == 1 and not path.startswith((".", "/", "~"))
-    if looks_like_hub_id and not os.path.exists(path):
-        return
-    archs = read_checkpoint_config(path).get("architectures") or []
-    if "Qwen3DSparkModel" not in archs:
-        raise DSparkConfigError(
-            f"speculative_config.model={path!r} is not a DSpark checkpoint: its config.json "
-            f"has architectures={archs}, expected ['Qwen3DSparkModel']. Point `model` at a "
-            "DSpark drafter folder (e.g. examples/models/tiny-qwen3-dspark)."
-        )
+    return read_drafter(spec.model, getattr(spec, "revision", None))
 
 
 def _spec_post_init(original):
     def __post_init__(self):
-        active = dspark_active(self)
-        if active:
-            _precheck_drafter(self)
+        drafter = _read_drafter(self) if dspark_active(self) else None
+        if drafter is not None and self.num_speculative_tokens is None:
+            self.num_speculative_tokens = min(drafter.speculative_tokens or drafter.block_size, drafter.block_size)
         original(self)
-        if active and dspark_active(self):
+        if drafter is not None and dspark_active(self):
+            from vllm_dspark.layouts import apply, validate_against_target
+
+            apply(drafter, self.draft_model_config.hf_config)
             target = self.target_model_config.hf_text_config
-            validate_drafter_checkpoint(
-                self.draft_model_config.hf_config,
+            validate_against_target(
+                drafter,
                 path=self.model,
                 target_vocab_size=target.vocab_size,
                 target_hidden_size=target.hidden_size,

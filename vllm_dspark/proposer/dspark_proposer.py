@@ -79,6 +79,7 @@ class DSparkProposer(DFlashProposer):
         self.context_queue = ContextQueue(self._write_context)  # skipped steps' context
         self._markov: torch.Tensor | None = None  # see _markov_matrix
         self._markov_key: tuple | None = None
+        self._kept: tuple[int, torch.Tensor | None] | None = None  # see _target_ids
 
     def propose(
         self,
@@ -189,6 +190,17 @@ class DSparkProposer(DFlashProposer):
             self._markov_key = key
         return self._markov
 
+    def _target_ids(self, draft_vocab: int) -> torch.Tensor | None:
+        """For a reduced draft vocabulary (layouts.py), the target id of each
+        draft id, [draft_vocab] int64; None when draft ids are target ids."""
+        if self._kept is None or self._kept[0] != draft_vocab:
+            kept = None
+            if draft_vocab < self.vllm_config.model_config.get_vocab_size():
+                ids = torch.arange(draft_vocab, device=self.device)
+                kept = self.model.map_draft_to_target(ids).long()
+            self._kept = (draft_vocab, kept)
+        return self._kept[1]
+
     @torch.inference_mode()
     def _sample_block(self, hidden: torch.Tensor, anchors: torch.Tensor, sampling_metadata,
                       depth: int | None = None) -> DraftOutput:
@@ -200,6 +212,11 @@ class DSparkProposer(DFlashProposer):
         depth = k if depth is None else max(1, min(depth, k))
         base = self.model.compute_draft_logits(hidden.reshape(batch * k, h)).view(batch, k, -1).float()
         markov = self._markov_matrix(base.shape[-1])
+        # A reduced draft vocabulary: logits and draws over draft ids, tokens
+        # (and the next position's Markov input) as target ids, and the draft
+        # probabilities placed at target ids for verification, zero elsewhere.
+        kept = self._target_ids(base.shape[-1])
+        vocab = self.vllm_config.model_config.get_vocab_size()
         params = RowParams.from_metadata(sampling_metadata, batch, hidden.device)
         sampled = params.any_random
         prev = anchors
@@ -220,7 +237,9 @@ class DSparkProposer(DFlashProposer):
             if sampled:
                 q = processed_probs(logits, params)
                 token = torch.where(params.is_greedy, token, inverse_cdf_sample(q, uniforms[:, i]))
-                probs.append(q)
+                probs.append(q if kept is None else q.new_zeros(batch, vocab).index_copy_(1, kept, q))
+            if kept is not None:
+                token = kept[token]
             tokens.append(token)
             embeds.append(embed)
             prev = token
@@ -229,6 +248,8 @@ class DSparkProposer(DFlashProposer):
         embeds = torch.stack(embeds, dim=1)
         if depth < k:
             rest = base[:, depth:].argmax(dim=-1)
+            if kept is not None:
+                rest = kept[rest]
             walked = torch.cat([walked, rest], dim=1)
             embeds = torch.cat([embeds, self.model.markov_embed(walked[:, depth - 1:k - 1])], dim=1)
         # Raw logits: the controller calibrates them per position.
