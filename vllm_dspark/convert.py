@@ -164,7 +164,7 @@ def convert(src: str, dst: str, layout: str, target: str | None = None, draft_vo
     elif shared and layout == NATIVE:
         for name in _SHARED:
             if name not in weights and not (reduced and name == "lm_head.weight"):
-                weights[name] = shared[name].to(weights["fc.weight"].dtype).contiguous()
+                weights[name] = shared[name].to(weights["fc.weight"].dtype).clone()
     out = Path(dst)
     out.mkdir(parents=True, exist_ok=True)
     save_file(weights, str(out / "model.safetensors"))
