@@ -153,3 +153,38 @@ def test_hub_id_missing_from_an_offline_cache_says_so(tmp_path, monkeypatch):
     with pytest.raises(DSparkConfigError, match=r"hub id.*no config\.json for it and HF_HUB_OFFLINE.*"
                                                 r"huggingface-cli download org/drafter"):
         read_drafter("org/drafter")
+
+
+def _spec_config(drafter, k=None):
+    from vllm.config import ModelConfig, ParallelConfig, SpeculativeConfig
+
+    from vllm_dspark.compat.patches import apply_config_patches
+
+    apply_config_patches()  # idempotent; vLLM's plugin loading may not have run in this process
+    target = ModelConfig(model=str(TARGET_DIR), dtype="bfloat16", max_model_len=512)
+    k_given = {} if k is None else {"num_speculative_tokens": k}
+    return SpeculativeConfig(method="dspark", model=str(drafter), target_model_config=target,
+                             target_parallel_config=ParallelConfig(), **k_given)
+
+
+def test_vllm_config_carries_the_description_in_native_keys(layouts, tmp_path):
+    from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import get_eagle3_aux_layers_from_config
+
+    for layout, path in layouts.items():
+        spec = _spec_config(path, 7)
+        hf = spec.draft_model_config.hf_config
+        assert spec.draft_model_config.architectures == ["Qwen3DSparkModel"], layout
+        assert (hf.markov_rank, hf.mask_token_id, hf.block_size) == (32, 2, 7), layout
+        assert hf.dspark_drafter["layout"] == layout
+        assert get_eagle3_aux_layers_from_config(spec) == tuple(i + 1 for i in NATIVE_CFG["target_layer_ids"])
+    # Without num_speculative_tokens, K is the checkpoint's own (speculators: its proposal's).
+    cfg = json.loads((layouts["speculators"] / "config.json").read_text())
+    cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"] = 5
+    out = tmp_path / "k5"
+    out.mkdir()
+    for f in layouts["speculators"].iterdir():
+        if f.name != "config.json":
+            (out / f.name).symlink_to(f)
+    (out / "config.json").write_text(json.dumps(cfg))
+    assert _spec_config(out).num_speculative_tokens == 5
+    assert _spec_config(layouts["trainer"]).num_speculative_tokens == 7
