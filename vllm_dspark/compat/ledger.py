@@ -251,11 +251,6 @@ LEDGER: tuple[Hook, ...] = (
         "A reduced draft vocabulary's target ids (d2t), once per engine.", "-", "-", ("self", "draft_ids"),
     ),
     Hook(
-        "vllm.config.model.ModelConfig.get_vocab_size", "call",
-        "The target's vocabulary, where a reduced draft vocabulary's probabilities are placed.",
-        "-", "-", ("self",),
-    ),
-    Hook(
         "vllm.transformers_utils.configs.speculators.algos.update_dspark", "call",
         "vLLM translates a speculators-layout DSpark config (layouts.py reads the raw one "
         "and checks vLLM's result against it).", "-", "-", ("config_dict", "pre_trained_config"),

@@ -28,6 +28,7 @@ import torch
 from vllm.forward_context import set_forward_context
 from vllm.v1.spec_decode.dflash import DFlashProposer
 
+from vllm_dspark.layouts import DrafterSpec
 from vllm_dspark.log import get_logger
 from vllm_dspark.proposer.context_queue import ContextQueue
 from vllm_dspark.sampling import RowParams, inverse_cdf_sample, processed_probs
@@ -64,6 +65,9 @@ def _version(t: torch.Tensor) -> int:
 
 
 class DSparkProposer(DFlashProposer):
+    _vocab: tuple[int, int] | None = None  # (draft, target) vocabulary sizes when the draft's is reduced
+    _kept: torch.Tensor | None = None  # see _target_ids
+
     def __init__(self, vllm_config, device: torch.device, runner=None):
         # DFlashProposer.__init__ asserts method == "dflash"; its machinery is
         # exactly what DSpark's parallel stage needs, so build it from a view
@@ -79,7 +83,9 @@ class DSparkProposer(DFlashProposer):
         self.context_queue = ContextQueue(self._write_context)  # skipped steps' context
         self._markov: torch.Tensor | None = None  # see _markov_matrix
         self._markov_key: tuple | None = None
-        self._kept: tuple[int, torch.Tensor | None] | None = None  # see _target_ids
+        spec = DrafterSpec.of(self.speculative_config.draft_model_config.hf_config)
+        if spec.reduced_vocab:
+            self._vocab = (spec.draft_vocab_size, spec.vocab_size)
 
     def propose(
         self,
@@ -190,16 +196,14 @@ class DSparkProposer(DFlashProposer):
             self._markov_key = key
         return self._markov
 
-    def _target_ids(self, draft_vocab: int) -> torch.Tensor | None:
+    def _target_ids(self) -> torch.Tensor | None:
         """For a reduced draft vocabulary (layouts.py), the target id of each
-        draft id, [draft_vocab] int64; None when draft ids are target ids."""
-        if self._kept is None or self._kept[0] != draft_vocab:
-            kept = None
-            if draft_vocab < self.vllm_config.model_config.get_vocab_size():
-                ids = torch.arange(draft_vocab, device=self.device)
-                kept = self.model.map_draft_to_target(ids).long()
-            self._kept = (draft_vocab, kept)
-        return self._kept[1]
+        draft id, [draft vocabulary] int64 (read once the weights are in);
+        None when draft ids are target ids."""
+        if self._vocab is not None and self._kept is None:
+            ids = torch.arange(self._vocab[0], device=self.device)
+            self._kept = self.model.map_draft_to_target(ids).long()
+        return self._kept
 
     @torch.inference_mode()
     def _sample_block(self, hidden: torch.Tensor, anchors: torch.Tensor, sampling_metadata,
@@ -215,8 +219,8 @@ class DSparkProposer(DFlashProposer):
         # A reduced draft vocabulary: logits and draws over draft ids, tokens
         # (and the next position's Markov input) as target ids, and the draft
         # probabilities placed at target ids for verification, zero elsewhere.
-        kept = self._target_ids(base.shape[-1])
-        vocab = self.vllm_config.model_config.get_vocab_size()
+        kept = self._target_ids()
+        vocab = self._vocab[1] if kept is not None else base.shape[-1]
         params = RowParams.from_metadata(sampling_metadata, batch, hidden.device)
         sampled = params.any_random
         prev = anchors
