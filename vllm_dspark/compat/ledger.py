@@ -287,6 +287,24 @@ LEDGER: tuple[Hook, ...] = (
         ("req_id",),
     ),
     Hook(
+        "vllm.v1.core.sched.output.NewRequestData", "call",
+        "A new request's block ids and cached tokens: a prefix-cache hit keeps drafter "
+        "context only if every cached slot holds it (proposer/drafter_slots.py).", "-", "-",
+        ("req_id", "prompt_token_ids", "mm_features", "sampling_params", "pooling_params", "block_ids",
+         "num_computed_tokens"),
+    ),
+    Hook(
+        "vllm.v1.worker.block_table.MultiGroupBlockTable.__getitem__", "call",
+        "Group 0's BlockTable: its slot_mapping buffer (.gpu) holds the slots the step's "
+        "target forward wrote, tracked for drafter context (drafter_slots.py).", "-", "-",
+        ("self", "idx"),
+    ),
+    Hook(
+        "vllm.v1.worker.gpu_model_runner.GPUModelRunner.input_batch", "call",
+        "The runner's input batch, for its block table (prefix caching only).",
+        "-", "-", None, scope="runner-state",
+    ),
+    Hook(
         "vllm.v1.core.sched.output.SchedulerOutput", "call",
         "The step's schedule as the worker sees it: new requests (marked contextless "
         "while the controller is dormant), finished ones, and tokens per request.",

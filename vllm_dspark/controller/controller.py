@@ -166,7 +166,8 @@ class DSparkController:
             if counts[-1] < rows:
                 verdict = assessment.best(counts)
         self.depth = verdict.depth
-        if gate.drafts(verdict.net, assessment.plain, contexts, self._view, self.costs):
+        if gate.drafts(verdict.net, assessment.plain, contexts, self._view, self.costs) or (
+                contexts and dormancy.on_trial):
             return self._draft()
         # A skip for want of context is no verdict on drafting.
         return self._skip(counted=contexts > 0)
@@ -175,7 +176,7 @@ class DSparkController:
         """This step's admissions, by this step's dormancy; requests with context."""
         if requests is None:
             return 0
-        added, contexts = self.ledger.admit(self._view.new_req_ids, requests.req_ids, self.dormancy.dormant)
+        added, contexts = self.ledger.admit(*self._view.admitted, requests.req_ids, self.dormancy.dormant)
         self.telemetry.totals.contextless_requests += added
         self._building = 1.0 - contexts / len(requests.req_ids)
         return contexts

@@ -13,7 +13,11 @@ can, steps run as vLLM's steps without speculation; the full rule runs every
 call (``heed``), from ``pays`` (``dormant_exit_checks`` checks in a row where
 drafting pays by more than the cost models' recent error times what drafting
 and verifying cost: ending it costs what no model sees, and a rule near
-break-even flips on noise) and the budget.
+break-even flips on noise) and the budget. An episode the models did not
+call for (they knew too little, or the budget re-tests their verdict) is a
+trial: its first ``trial_steps`` steps with drafter context draft whatever
+the models say, and the models' rule does not end it (the budget does); a
+re-test that skipped on the verdict under test would measure nothing.
 """
 
 from collections import deque
@@ -39,6 +43,8 @@ class Dormancy:
         self._cheap = 0  # steps skipped without the rule since it last ran
         self._paying = 0  # checks in a row where drafting would pay
         self._plain = 0  # dormant plain steps finished (for record_every)
+        self._trial_steps = t.trial_steps
+        self._trial = 0  # drafting steps the open exploring episode still takes whatever the models say
 
     def cheap_skip(self) -> bool:
         """Dormant, and the full rule is not due this step: skip without it."""
@@ -53,7 +59,7 @@ class Dormancy:
         (``settled``: by models that have seen enough drafting to say so)."""
         if self.dormant:
             self._paying = self._paying + 1 if net > model_error * spend else 0
-        else:
+        elif not self._trial:
             recent = self._recent
             if (self.enabled and settled and len(recent) == recent.maxlen and net <= 0
                     and self._recent_skipped >= self._share * recent.maxlen):
@@ -88,6 +94,7 @@ class Dormancy:
             if budget.affords_episode(pays, rows) and (pays or curious or budget.full or budget.retest_due(rows)):
                 budget.open(pays and not curious, rows)
                 self.wake()
+                self._trial = 0 if pays else self._trial_steps
         elif budget.spent(building):
             budget.close()
             self.sleep()
@@ -98,7 +105,12 @@ class Dormancy:
         self._recent_skipped = 0
 
     def sleep(self) -> None:
-        self.dormant, self._paying, self._cheap = True, 0, 0
+        self.dormant, self._paying, self._cheap, self._trial = True, 0, 0, 0
+
+    @property
+    def on_trial(self) -> bool:
+        """An exploring episode is open and still drafts whatever the models say."""
+        return self._trial > 0 and not self.dormant
 
     def remember(self, skipped: bool) -> None:
         """This step did (not) skip drafting."""
@@ -107,6 +119,8 @@ class Dormancy:
             self._recent_skipped -= recent[0]
         recent.append(skipped)
         self._recent_skipped += skipped
+        if not skipped and self._trial:
+            self._trial -= 1
 
     def unrecorded(self, drafted: int, verifies: bool) -> bool:
         """Leave this step out of the cost models? While dormant, plain steps
