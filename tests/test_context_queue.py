@@ -5,6 +5,7 @@ import torch
 
 from vllm_dspark.proposer import context_queue
 from vllm_dspark.proposer.context_queue import ContextQueue
+from vllm_dspark.proposer.drafter_slots import DrafterSlots
 from vllm_dspark.proposer.dspark_proposer import DSparkProposer
 
 
@@ -28,6 +29,7 @@ class _FakeDrafter:
 def _proposer(slots=32):
     p = object.__new__(DSparkProposer)  # no vLLM config needed for the queue
     p.context_queue = ContextQueue(p._write_context)
+    p.slots = DrafterSlots()
     p.model = _FakeDrafter(slots)
     return p
 

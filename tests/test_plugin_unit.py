@@ -244,18 +244,44 @@ def test_requests_admitted_while_dormant_get_no_context():
     ledger = ContextLedger()
     live = {"a", "b"}
     wanted = ledger.wanted(live)
-    assert ledger.admit(("a",), ["a"], dormant=False) == (0, 1)  # not dormant: admitted with context
-    assert ledger.admit(("b",), ["a", "b"], dormant=True) == (1, 1) and ledger.among(["a", "b"]) == {"b"}
+    assert ledger.admit(("a",), frozenset(), ["a"], dormant=False) == (0, 1)  # not dormant: admitted with context
+    assert ledger.admit(("b",), frozenset(), ["a", "b"], dormant=True) == (1, 1) and ledger.among(["a", "b"]) == {"b"}
     ledger.forget({"a"})
     live.update({"c", "d"})
-    assert ledger.admit(("c", "d"), ["b", "c", "d"], dormant=True) == (2, 0)
+    assert ledger.admit(("c", "d"), frozenset(), ["b", "c", "d"], dormant=True) == (2, 0)
     assert ledger.among(["b", "c", "d"]) == {"b", "c", "d"} and ledger.all_without(["b", "c", "d"])
     state = SimpleNamespace(sampling_params=SimpleNamespace(max_tokens=None, extra_args=None), output_token_ids=[])
     runner = SimpleNamespace(requests={"a": state, "b": state}, drafter=SimpleNamespace(block_len=4))
     assert ledger.zero_caps(["a", "b"], _Requests(runner, ["a", "b"], None).caps()) == [4, 0]
     assert "a" in wanted and "b" not in wanted and "c" not in wanted and "gone" not in wanted
     ledger.forget({"b", "c", "d"})
-    assert ledger.admit((), ["e"], dormant=False) == (0, 1) and not len(ledger)
+    assert ledger.admit((), frozenset(), ["e"], dormant=False) == (0, 1) and not len(ledger)
+    # Awake, a new request whose cached prefix lacks drafter context gets none; the others do.
+    assert ledger.admit(("f", "g"), frozenset({"g"}), ["e", "f", "g"], dormant=False) == (1, 2)
+    assert ledger.among(["e", "f", "g"]) == {"g"}
+
+
+def test_drafter_slots_hold_context_only_where_the_drafter_wrote_after_the_target():
+    """A cached block holds drafter context when every slot's last drafter
+    write is not older than its last target write (drafting step, or a skipped
+    step's context flushed later); a step without speculation leaves none."""
+    import torch
+
+    from vllm_dspark.proposer.drafter_slots import DrafterSlots
+
+    bs, slots = 4, DrafterSlots()
+    block = lambda b: torch.arange(b * bs, (b + 1) * bs)  # noqa: E731
+    assert not slots.hold_context([0], bs, 4)  # never written
+    slots.target_wrote(block(0))  # a drafting step: target, then drafter
+    slots.drafter_wrote(block(0))
+    slots.target_wrote(block(1))  # a skipped step: context queued...
+    assert slots.hold_context([0], bs, 4) and not slots.hold_context([0, 1], bs, 8)
+    slots.target_wrote(torch.tensor([-1, 8]))  # (padding ignored)
+    slots.drafter_wrote(block(1))  # ...and flushed on a later step
+    assert slots.hold_context([0, 1], bs, 8) and slots.hold_context([0, 1], bs, 6)
+    slots.target_wrote(block(1))  # the block reused by a step without speculation
+    assert not slots.hold_context([0, 1], bs, 8) and slots.hold_context([0, 1], bs, 4)
+    assert slots.hold_context([5], bs, 0)  # no cached prefix: nothing to hold
 
 
 def test_request_caps_count_this_step_s_accepted_tokens():
@@ -313,6 +339,7 @@ def test_dormant_steps_run_without_speculation_and_leave_no_context():
             cudagraph_mode=CUDAGraphMode.NONE, mode=CompilationMode.NONE))
         runner._plain_switch = PlainStepSwitch(runner, config)
         runner._dspark_timing, runner._step_verifies = NO_DRAFT, False
+        runner.cache_config = SimpleNamespace(enable_prefix_caching=False, block_size=16)
         runner.dspark = ctl = DSparkController(DSparkKnobs(persist_cost_model=False), block_len=4, plain_steps=True)
         rules = []
         skips = ctl._skips

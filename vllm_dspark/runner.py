@@ -19,6 +19,7 @@ from vllm.v1.worker import gpu_model_runner
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
+from vllm_dspark.compat.ledger import check_instance
 from vllm_dspark.compat.patches import rebound
 from vllm_dspark.config import parse_knobs
 from vllm_dspark.controller.controller import DSparkController
@@ -40,6 +41,7 @@ class DSparkRunnerMixin:
         with rebound(gpu_model_runner, "EagleProposer", DSparkProposer):
             super().__init__(vllm_config, device)
         assert isinstance(self.drafter, DSparkProposer)
+        check_instance(self, "runner-state")
         self.use_aux_hidden_state_outputs = True
         self.rejection_sampler = DSparkRejectionSampler(self.sampler, self.speculative_config, self.device)
         self._plain_switch = PlainStepSwitch(self, vllm_config)
@@ -81,10 +83,24 @@ class DSparkRunnerMixin:
         return logits_indices, spec_decode_metadata, max_sampled
 
     def execute_model(self, scheduler_output, *args, **kwargs):
-        view = StepView.of(scheduler_output)
+        view = StepView.of(scheduler_output, self._stale_prefixes(scheduler_output))
         self._step_verifies = view.verifies  # the rejection sampler runs this step
         self._plain_switch.set(self.dspark.begin_step(view) is not None)
-        return super().execute_model(scheduler_output, *args, **kwargs)
+        out = super().execute_model(scheduler_output, *args, **kwargs)
+        tokens = scheduler_output.total_num_scheduled_tokens
+        if self.cache_config.enable_prefix_caching and tokens:
+            self.drafter.slots.target_wrote(self.input_batch.block_table[0].slot_mapping.gpu[:tokens])
+        return out
+
+    def _stale_prefixes(self, scheduler_output) -> frozenset[str]:
+        """New requests whose prefix-cache hit has slots without drafter
+        context (drafter_slots.py)."""
+        new = scheduler_output.scheduled_new_reqs
+        if not (new and self.cache_config.enable_prefix_caching):
+            return frozenset()
+        size, slots = self.cache_config.block_size, self.drafter.slots
+        return frozenset(r.req_id for r in new if r.num_computed_tokens
+                         and not slots.hold_context(r.block_ids[0], size, r.num_computed_tokens))
 
     def sample_tokens(self, *args, **kwargs):
         self._dspark_timing = NO_DRAFT

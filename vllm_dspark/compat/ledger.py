@@ -35,6 +35,12 @@ LEDGER: tuple[Hook, ...] = (
         scope="config",
     ),
     Hook(
+        "vllm.config.speculative.SpeculativeConfig.disable_eagle_block_drop", "call",
+        "Set for dspark: prefix-cache hits keep their last block (DSpark's context "
+        "K/V has no next-token dependence; stale blocks are tracked per slot).",
+        "-", "-", None, scope="config",
+    ),
+    Hook(
         "vllm.config.vllm.VllmConfig.__post_init__", "wrap",
         "Validate additional_config['dspark'], keep scheduling synchronous and "
         "point worker_cls at the DSpark worker for method='dspark'.",
@@ -295,6 +301,24 @@ LEDGER: tuple[Hook, ...] = (
         "extra_args) and output_token_ids give each request's greediness and verify "
         "cap (dspark_max_verify; the tokens left before max_tokens).", "-", "-",
         ("req_id",),
+    ),
+    Hook(
+        "vllm.v1.core.sched.output.NewRequestData", "call",
+        "A new request's block ids and cached tokens: a prefix-cache hit keeps drafter "
+        "context only if every cached slot holds it (proposer/drafter_slots.py).", "-", "-",
+        ("req_id", "prompt_token_ids", "mm_features", "sampling_params", "pooling_params", "block_ids",
+         "num_computed_tokens"),
+    ),
+    Hook(
+        "vllm.v1.worker.block_table.MultiGroupBlockTable.__getitem__", "call",
+        "Group 0's BlockTable: its slot_mapping buffer (.gpu) holds the slots the step's "
+        "target forward wrote, tracked for drafter context (drafter_slots.py).", "-", "-",
+        ("self", "idx"),
+    ),
+    Hook(
+        "vllm.v1.worker.gpu_model_runner.GPUModelRunner.input_batch", "call",
+        "The runner's input batch, for its block table (prefix caching only).",
+        "-", "-", None, scope="runner-state",
     ),
     Hook(
         "vllm.v1.core.sched.output.SchedulerOutput", "call",

@@ -69,8 +69,17 @@ def _read_drafter(spec):
 def _spec_post_init(original):
     def __post_init__(self):
         drafter = _read_drafter(self) if dspark_active(self) else None
-        if drafter is not None and self.num_speculative_tokens is None:
-            self.num_speculative_tokens = min(drafter.speculative_tokens or drafter.block_size, drafter.block_size)
+        if drafter is not None:
+            if self.num_speculative_tokens is None:
+                self.num_speculative_tokens = min(drafter.speculative_tokens or drafter.block_size,
+                                                  drafter.block_size)
+            # vLLM drops the last block of every prefix-cache hit for hidden-state
+            # drafters: EAGLE's K/V at a position mixes in the next token. DSpark's
+            # context K/V at a position comes from that position's target features
+            # alone, and a block without it admits its request contextless
+            # (drafter_slots.py), so the drop only costs hits (a whole 128-token
+            # block on CPU: every hit on prompts under 256 tokens).
+            self.disable_eagle_block_drop = True
         original(self)
         if drafter is not None and dspark_active(self):
             from vllm_dspark.layouts import apply, validate_against_target

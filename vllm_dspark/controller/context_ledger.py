@@ -1,6 +1,7 @@
 """Which live requests keep drafter context.
 
-A request admitted while the controller is dormant gets none: it is never
+A request admitted while the controller is dormant, or whose prefix-cache
+hit lacks drafter context (proposer/drafter_slots.py), gets none: it is never
 drafted (its verify cap is 0) and its context is neither queued nor written,
 for the rest of its life. A step run without speculation (plain) gives the
 drafter no context, so every request in it loses its own.
@@ -23,14 +24,17 @@ class ContextLedger:
         if self._without and finished:
             self._without.difference_update(finished)
 
-    def admit(self, new_ids: tuple[str, ...], req_ids: list[str], dormant: bool) -> tuple[int, int]:
-        """This step's new requests, among ``req_ids``: (how many were admitted
-        without context, how many of ``req_ids`` have context)."""
+    def admit(self, new_ids: tuple[str, ...], stale: frozenset[str], req_ids: list[str],
+              dormant: bool) -> tuple[int, int]:
+        """This step's new requests, among ``req_ids`` (``stale``: those whose
+        cached prefix lacks drafter context): (how many were admitted without
+        context, how many of ``req_ids`` have context)."""
         without = self._without
         added = 0
-        if dormant and new_ids:
-            without.update(new_ids)
-            added = len(new_ids)
+        if new_ids and (dormant or stale):
+            lost = new_ids if dormant else [rid for rid in new_ids if rid in stale]
+            without.update(lost)
+            added = len(lost)
         contexts = len(req_ids) - sum(rid in without for rid in req_ids) if without else len(req_ids)
         return added, contexts
 

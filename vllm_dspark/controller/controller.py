@@ -175,7 +175,7 @@ class DSparkController:
         """This step's admissions, by this step's dormancy; requests with context."""
         if requests is None:
             return 0
-        added, contexts = self.ledger.admit(self._view.new_req_ids, requests.req_ids, self.dormancy.dormant)
+        added, contexts = self.ledger.admit(*self._view.admitted, requests.req_ids, self.dormancy.dormant)
         self.telemetry.totals.contextless_requests += added
         self._building = 1.0 - contexts / len(requests.req_ids)
         return contexts

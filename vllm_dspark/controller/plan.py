@@ -33,9 +33,10 @@ class StepView(NamedTuple):
     tokens: int  # tokens the target runs this step (decodes, verified drafts, prompt chunks)
     prefill_tokens: int  # prompt tokens among them, counted only while prompts wait (else 0)
     verifies: bool  # the step verifies drafts made on the step before
+    stale_ids: frozenset[str] = frozenset()  # new requests whose cached prefix lacks drafter context
 
     @classmethod
-    def of(cls, scheduler_output) -> "StepView":
+    def of(cls, scheduler_output, stale_ids: frozenset[str] = frozenset()) -> "StepView":
         load = load_of(scheduler_output)
         new = scheduler_output.scheduled_new_reqs
         return cls(
@@ -49,7 +50,13 @@ class StepView(NamedTuple):
             # empty, so the last chunk of a burst does not make drafts look cheap).
             prefill_tokens(scheduler_output) if load is None or load.waiting > 0 else 0,
             bool(scheduler_output.scheduled_spec_decode_tokens),
+            stale_ids,
         )
+
+    @property
+    def admitted(self) -> tuple[tuple[str, ...], frozenset[str]]:
+        """The new requests, and those of them whose cached prefix lacks drafter context."""
+        return self.new_req_ids, self.stale_ids
 
     @property
     def num_reqs(self) -> int:

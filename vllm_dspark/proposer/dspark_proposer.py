@@ -31,6 +31,7 @@ from vllm.v1.spec_decode.dflash import DFlashProposer
 from vllm_dspark.layouts import DrafterSpec
 from vllm_dspark.log import get_logger
 from vllm_dspark.proposer.context_queue import ContextQueue
+from vllm_dspark.proposer.drafter_slots import DrafterSlots
 from vllm_dspark.sampling import RowParams, inverse_cdf_sample, processed_probs
 
 logger = get_logger(__name__)
@@ -81,6 +82,7 @@ class DSparkProposer(DFlashProposer):
         self._depth = self.block_len  # positions the Markov head walks on the next propose()
         self._draft: DraftOutput | None = None  # the last propose()'s, until taken
         self.context_queue = ContextQueue(self._write_context)  # skipped steps' context
+        self.slots = DrafterSlots()  # which KV slots hold drafter context (for prefix-cache hits)
         self._markov: torch.Tensor | None = None  # see _markov_matrix
         self._markov_key: tuple | None = None
         spec = DrafterSpec.of(self.speculative_config.draft_model_config.hf_config)
@@ -133,6 +135,7 @@ class DSparkProposer(DFlashProposer):
             slot_mapping=self._get_slot_mapping(slot_size, cad.slot_mapping),
         ):
             hidden = self.model(**inputs)
+        self.slots.drafter_wrote(common_attn_metadata.slot_mapping[: target_token_ids.shape[0]])
         # The query rows are request-major: K consecutive rows per request.
         hidden = hidden[: batch * k].view(batch, k, -1)
         draft = self._sample_block(hidden, next_token_ids[:batch].long(), sampling_metadata, self._depth)
@@ -169,6 +172,7 @@ class DSparkProposer(DFlashProposer):
     def _write_context(self, features: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
         """Fused target features -> K/V of every draft layer, into its KV cache."""
         self.model.precompute_and_store_context_kv(self.model.combine_hidden_states(features), positions, slots)
+        self.slots.drafter_wrote(slots)
 
     def _markov_matrix(self, vocab: int) -> torch.Tensor | None:
         """The Markov bias's matrix, [r, vocab] float32, when vLLM's
