@@ -204,3 +204,19 @@ def test_seeded_requests_are_reproducible(sampler):
     assert run() == first
     assert len({str(r) for r in first}) > 1  # ...while successive draws still vary
     assert not math.isnan(float(q.sum()))
+
+
+def test_synthetic_mode_is_refused_at_construction():
+    """vLLM's rejection_sample_method="synthetic" accepts at fixed rates
+    whatever the target says: never silently run standard verification."""
+    from types import SimpleNamespace
+
+    from vllm.v1.sample.sampler import Sampler
+
+    from vllm_dspark.config import DSparkConfigError
+    from vllm_dspark.rejection_sampler import DSparkRejectionSampler
+
+    spec = SimpleNamespace(rejection_sample_method="synthetic", synthetic_acceptance_rates=[0.9, 0.5, 0.2],
+                           num_speculative_tokens=3)
+    with pytest.raises(DSparkConfigError, match="synthetic"):
+        DSparkRejectionSampler(Sampler(), spec, torch.device("cpu"))

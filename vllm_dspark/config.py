@@ -22,6 +22,13 @@ class DSparkConfigError(ValueError):
     """A DSpark setting or checkpoint is unusable; the message says how to fix it."""
 
 
+SYNTHETIC_REFUSED = (
+    "speculative_config.rejection_sample_method='synthetic' is not supported with method='dspark': "
+    "it accepts drafts at fixed rates, whatever the target says, so output is not the target's and "
+    "the controller would learn its acceptance from made-up outcomes. Drop rejection_sample_method "
+    "(or set it to 'standard'); DSpark always verifies losslessly."
+)
+
 # SamplingParams.extra_args key: a request's own cap on verified drafts (0..K).
 MAX_VERIFY_KEY = "dspark_max_verify"
 
