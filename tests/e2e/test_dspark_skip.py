@@ -71,3 +71,42 @@ def test_drafting_resumes_after_dormant_steps(llm, identity_prompts, nospec_refe
     assert after["contextless_requests"] == before["contextless_requests"]
     assert after["verified_blocks"] - before["verified_blocks"] >= 16 * 8
     assert after["accepted_tokens"] > before["accepted_tokens"]
+
+
+def _counters(llm) -> dict:
+    snap = llm.collective_rpc("dspark_snapshot")[0]
+    hits = sum(m.value for m in llm.get_metrics() if m.name == "vllm:prefix_cache_hits")
+    return {"contextless": snap["contextless_requests"], "blocks": snap["verified_blocks"],
+            "accepted": snap["accepted_tokens"], "hits": hits}
+
+
+def test_prefix_cache_hits_keep_the_drafter_context_right(llm, heldout_prompts):
+    """Prompts over two 128-token blocks, each sent twice. Computed while
+    dormant, their blocks hold no drafter context: the repeats hit the cache
+    and are admitted without context (never drafted), output unchanged.
+    Computed while drafting, the repeats hit, draft from the cached context
+    and accept as much per block as the first pass (policy full, greedy,
+    float32: equal here; the 2% margin allows one token's rounding)."""
+    texts = [" ".join(p["text"] for p in heldout_prompts[40 + 7 * i: 47 + 7 * i]) for i in range(8)]
+    params = greedy_params(48)
+
+    def run(prompts):
+        before = _counters(llm)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        after = _counters(llm)
+        return [list(o.outputs[0].token_ids) for o in outs], {k: after[k] - before[k] for k in after}
+
+    llm.collective_rpc(_hold_dormant)
+    dormant_ids, dormant = run(texts[:4])
+    llm.collective_rpc(_end_dormancy_drafting_every_step)
+    stale_ids, stale = run(texts[:4])
+    assert stale_ids == dormant_ids
+    assert stale["hits"] > 0 and stale["contextless"] == 4 and stale["blocks"] == 0, stale
+    # Steps where no request had context ran plain, and their rule may have
+    # slept again: wake it as before.
+    llm.collective_rpc(_end_dormancy_drafting_every_step)
+    first_ids, first = run(texts[4:])
+    again_ids, again = run(texts[4:])
+    assert again_ids == first_ids
+    assert again["hits"] > 0 and again["contextless"] == 0 and first["blocks"] > 0, (first, again)
+    assert again["accepted"] / again["blocks"] >= 0.98 * first["accepted"] / first["blocks"], (first, again)

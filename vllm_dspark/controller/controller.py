@@ -43,8 +43,7 @@ class DSparkController:
                  fingerprint: str = "", cache_dir: Path | None = None, acceptance: AcceptanceModel | None = None,
                  plain_steps: bool = False, now: Callable[[], float] = time.perf_counter,
                  share: Callable[[list[float]], list[float]] | None = None):
-        """``plain_steps``: the runner can run vLLM's step without speculation.
-        ``now``: the clock. ``share``: rank 0's timings (rank_sync.py)."""
+        """``plain_steps``: the runner can run vLLM's plain step. ``now``: the clock. ``share``: rank_sync.py."""
         self.knobs, self.k, self.tuning = knobs, block_len, tuning
         self.policy = make_policy(knobs, tuning)
         self.costs = StepCosts(block_len, tuning, fingerprint, cache_dir if knobs.persist_cost_model else None,
@@ -101,8 +100,10 @@ class DSparkController:
     def plan(self, requests: RequestView) -> StepPlan:
         """Draft this step, how deep, and whose context to keep if not."""
         rows = len(requests.req_ids)
-        skips, self.depth = self.clock.agree(self.policy.gates_drafting and rows > 0 and self._skips(rows, requests),
-                                             self.depth)
+        if not self.policy.gates_drafting:
+            self._admit(requests)  # under every policy, a stale cached prefix admits without context
+        gated = self.policy.gates_drafting and rows > 0 and self._skips(rows, requests)
+        skips, self.depth = self.clock.agree(gated, self.depth)
         return StepPlan("skip", self.depth, self.ledger.among(requests.req_ids)) if skips else StepPlan(
             "draft", self.depth)
 
