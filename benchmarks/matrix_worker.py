@@ -97,40 +97,19 @@ def run_waves(job: dict, prompts: list[str]) -> tuple[dict, dict]:
 
 
 def start_server(name: str, job: dict, work: Path) -> tuple:
-    import urllib.request
+    from vllm_dspark.benchmarking import ENGINE_DEFAULTS, KV_CACHE_BYTES
+    from vllm_dspark.benchmarking import start_server as serve
 
-    from vllm_dspark.benchmarking import ENGINE_DEFAULTS, KV_CACHE_BYTES, free_port
-
-    port, (spec, knobs) = free_port(), arm_spec(name, job["drafter"])
-    cmd = [str(Path(sys.executable).parent / "vllm"), "serve", job["target"], "--host", "127.0.0.1",
-           "--port", str(port), "--dtype", job["dtype"], "--max-model-len", str(ENGINE_DEFAULTS["max_model_len"]),
-           "--max-num-seqs", str(max(job["concurrency"])), "--kv-cache-memory-bytes", str(KV_CACHE_BYTES),
-           "--enforce-eager", "--seed", "0"]
+    spec, knobs = arm_spec(name, job["drafter"])
+    args = ["--dtype", job["dtype"], "--max-model-len", str(ENGINE_DEFAULTS["max_model_len"]),
+            "--max-num-seqs", str(max(job["concurrency"])), "--kv-cache-memory-bytes", str(KV_CACHE_BYTES),
+            "--enforce-eager", "--seed", "0"]
     if spec:
-        cmd += ["--speculative-config", json.dumps(spec), "--additional-config", json.dumps({"dspark": knobs})]
+        args += ["--speculative-config", json.dumps(spec), "--additional-config", json.dumps({"dspark": knobs})]
     env = {**os.environ, "VLLM_DSPARK_CACHE_DIR": tempfile.mkdtemp(prefix="dspark_cache_")}
-    print(f"[matrix] starting vllm serve {name} on port {port}", flush=True)
-    log = open(work / f"{name}.server.log", "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    deadline = time.time() + 300
-    while time.time() < deadline and proc.poll() is None:
-        try:
-            if urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).status == 200:
-                return proc, port, log
-        except OSError:
-            time.sleep(1)
-    stop_server((proc, port, log))
-    raise RuntimeError(f"vllm serve {name} did not come up; see {log.name}")
-
-
-def stop_server(server: tuple) -> None:
-    proc, _, log = server
-    proc.terminate()
-    try:
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-    log.close()
+    print(f"[matrix] starting vllm serve {name}", flush=True)
+    proc, base, log = serve(job["target"], args, work / f"{name}.server.log", env)
+    return proc, int(base.rsplit(":", 1)[1]), log
 
 
 def bench_client(port: int, job: dict, data: Path, n: int, out: Path) -> dict:
@@ -179,6 +158,8 @@ def run_serve(job: dict, prompts: list[str]) -> tuple[dict, dict]:
                       f"median TPOT {res['median_tpot_ms']:.2f} ms, {res['completed']}/{n} done", flush=True)
             rounds.append(got)
     finally:
+        from vllm_dspark.benchmarking import stop_server
+
         for server in servers.values():
             stop_server(server)
     for i in integ.values():

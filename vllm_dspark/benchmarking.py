@@ -240,6 +240,46 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def start_server(target: str, args: list[str], log_path: Path, env: dict | None = None,
+                 timeout_s: float = 300) -> tuple:
+    """``vllm serve target *args`` on a free loopback port, its output in
+    ``log_path``; returns (process, base URL, log file) once /health answers.
+    Raises RuntimeError with the log's tail if it exits or does not come up."""
+    import os
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    port = free_port()
+    cmd = [str(Path(sys.executable).parent / "vllm"), "serve", target, "--host", "127.0.0.1", "--port", str(port),
+           *args]
+    log = open(log_path, "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env or dict(os.environ))
+    base, deadline = f"http://127.0.0.1:{port}", time.time() + timeout_s
+    while time.time() < deadline and proc.poll() is None:
+        try:
+            if urllib.request.urlopen(f"{base}/health", timeout=2).status == 200:
+                return proc, base, log
+        except OSError:
+            time.sleep(1)
+    stop_server((proc, base, log))
+    raise RuntimeError(f"vllm serve {target} did not come up (exit {proc.returncode}):\n"
+                       + Path(log_path).read_text()[-3000:])
+
+
+def stop_server(server: tuple) -> None:
+    import subprocess
+
+    proc, _, log = server
+    proc.terminate()
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    log.close()
+
+
 def _provenance_path(out: Path) -> Path:
     return out.with_name(out.stem + ".provenance.json")
 

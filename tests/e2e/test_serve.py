@@ -9,10 +9,7 @@ vLLM preempted, prefix-cache hits are no-spec's, and the server is healthy."""
 
 import contextlib
 import json
-import os
 import re
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -22,7 +19,7 @@ import requests
 
 from tests.conftest import TARGET_DIR
 from tests.e2e.conftest import IDENTITY_TOKENS, TEST_DTYPE, dspark_config
-from vllm_dspark.benchmarking import free_port
+from vllm_dspark.benchmarking import start_server, stop_server
 
 pytestmark = pytest.mark.e2e
 STARTUP_TIMEOUT_S = 300
@@ -35,37 +32,19 @@ LOGS: dict[str, Path] = {}  # server URL -> its log
 
 @contextlib.contextmanager
 def _serve(spec: dict | None, log: Path):
-    port = free_port()
-    cmd = [str(Path(sys.executable).parent / "vllm"), "serve", MODEL,
-           "--host", "127.0.0.1", "--port", str(port), "--dtype", TEST_DTYPE,
-           "--max-model-len", "512", "--max-num-seqs", "16", "--kv-cache-memory-bytes", str(SOAK_KV_BYTES),
-           "--enforce-eager", "--seed", "0"]
+    args = ["--dtype", TEST_DTYPE, "--max-model-len", "512", "--max-num-seqs", "16",
+            "--kv-cache-memory-bytes", str(SOAK_KV_BYTES), "--enforce-eager", "--seed", "0"]
     if spec is not None:
-        cmd += ["--speculative-config", json.dumps(spec)]
-    with open(log, "w") as fh:
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=dict(os.environ))
-    base = f"http://127.0.0.1:{port}"
-    LOGS[base] = log
-    deadline = time.time() + STARTUP_TIMEOUT_S
+        args += ["--speculative-config", json.dumps(spec)]
     try:
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"vllm serve exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-            try:
-                if requests.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except requests.ConnectionError:
-                pass
-            if time.time() > deadline:
-                pytest.fail(f"vllm serve did not come up in {STARTUP_TIMEOUT_S}s:\n{log.read_text()[-3000:]}")
-            time.sleep(1)
-        yield base
+        server = start_server(MODEL, args, log, timeout_s=STARTUP_TIMEOUT_S)
+    except RuntimeError as e:
+        pytest.fail(str(e))
+    LOGS[server[1]] = log
+    try:
+        yield server[1]
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_server(server)
 
 
 @pytest.fixture(scope="module")
