@@ -99,32 +99,29 @@ def test_full_vocabulary_layouts_draft_and_accept_as_native(layout, converted, h
     assert counters == {k: hub_native["counters"][k] for k in COUNTED}
 
 
-def test_reduced_draft_vocabulary_keeps_acceptance_and_the_target_distribution(converted, hub_native, reference,
-                                                                               heldout_prompts):
+def test_reduced_draft_vocabulary_keeps_acceptance(converted, hub_native, reference):
     llm, counters = _run(converted["reduced"], reference)
-    try:
-        native = hub_native["counters"]
-        per_block = counters["num_accepted_tokens"] / counters["num_drafts"]
-        native_per_block = native["num_accepted_tokens"] / native["num_drafts"]
-        assert per_block >= REDUCED_ACCEPTANCE_MARGIN * native_per_block, (counters, native)
-        # Seed 0, 2,000 requests, chi-square, false-failure rate 0.001 (conftest).
-        verified = assert_second_token_follows_target(llm, heldout_prompts[1]["text"], 1.0, 0.95)
-        assert verified > 0
-    finally:
-        stop_engine(llm)
+    stop_engine(llm)
+    native = hub_native["counters"]
+    per_block = counters["num_accepted_tokens"] / counters["num_drafts"]
+    native_per_block = native["num_accepted_tokens"] / native["num_drafts"]
+    assert per_block >= REDUCED_ACCEPTANCE_MARGIN * native_per_block, (counters, native)
 
 
-def test_k_below_the_block_stays_lossless(reference, heldout_prompts):
-    """K=3 with the block-7 drafter drafts a 3-position block: greedy output
+def test_k_below_the_block_with_a_reduced_vocabulary_stays_lossless(converted, reference, heldout_prompts):
+    """K=3 with the block-7 drafter drafts a 3-position block, here over the
+    reduced vocabulary (so one sampled test covers both: the draft
+    probabilities placed at target ids, from a shorter block): greedy output
     is no-spec's and sampled output follows the target (seed 0, 2,000
-    requests, chi-square, false-failure rate 0.001)."""
-    llm = make_llm(speculative_config={"method": "dspark", "model": str(DRAFTER_DIR), "num_speculative_tokens": 3},
+    requests, chi-square at T=1, top-p 0.95, false-failure rate 0.001)."""
+    llm = make_llm(speculative_config={"method": "dspark", "model": str(converted["reduced"]),
+                                       "num_speculative_tokens": 3},
                    additional_config={"dspark": {"policy": "full"}})
     try:
         outs = llm.generate(reference["prompts"], greedy_params(TOKENS), use_tqdm=False)
         assert [list(o.outputs[0].token_ids) for o in outs] == reference["ids"]
         c = spec_counters(llm)
         assert 0 < c["num_draft_tokens"] <= 3 * c["num_drafts"]
-        assert assert_second_token_follows_target(llm, heldout_prompts[1]["text"], 1.0, None) > 0
+        assert assert_second_token_follows_target(llm, heldout_prompts[1]["text"], 1.0, 0.95) > 0
     finally:
         stop_engine(llm)

@@ -81,7 +81,13 @@ def _spec_post_init(original):
             # alone, and a block without it admits its request contextless
             # (drafter_slots.py), so the drop only costs hits (a whole 128-token
             # block on CPU: every hit on prompts under 256 tokens).
-            self.disable_eagle_block_drop = True
+            if not self.disable_eagle_block_drop:
+                self.disable_eagle_block_drop = True
+                from vllm_dspark.log import get_logger
+
+                get_logger("config").info(
+                    "dspark: prefix-cache hits keep their last block (disable_eagle_block_drop); vLLM's "
+                    "warning that this is experimental does not apply to DSpark (docs/prefix_caching.md).")
         original(self)
         if drafter is not None and dspark_active(self):
             from vllm_dspark.layouts import apply, validate_against_target

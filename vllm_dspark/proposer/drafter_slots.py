@@ -20,32 +20,34 @@ import torch
 
 
 class DrafterSlots:
+    """Per slot, the steps of the last target and drafter writes; the last
+    entry is a sink for padding (-1) slots, so a write is one indexed store
+    (the runner records every step's slots while prefix caching is on)."""
+
     def __init__(self):
         self.step = 0
-        self._target = torch.zeros(0, dtype=torch.int64)  # per slot: step of the last target write
-        self._drafter = torch.zeros(0, dtype=torch.int64)  # and of the last drafter context write
+        self._target = torch.zeros(1, dtype=torch.int64)  # per slot: step of the last target write
+        self._drafter = torch.full((1,), -1, dtype=torch.int64)  # and of the last drafter context write
 
-    def _fit(self, slots: torch.Tensor) -> torch.Tensor:
+    def _store(self, table: str, slots: torch.Tensor) -> None:
         slots = slots.detach().to("cpu", torch.int64)
-        slots = slots[slots >= 0]  # padding
-        need = int(slots.max()) + 1 if slots.numel() else 0
-        if need > self._target.numel():
-            size = max(need, 2 * self._target.numel())
-            grow = size - self._target.numel()
-            self._target = torch.cat([self._target, torch.zeros(grow, dtype=torch.int64)])
-            self._drafter = torch.cat([self._drafter, torch.full((grow,), -1, dtype=torch.int64)])
-        return slots
+        try:
+            getattr(self, table)[slots] = self.step
+        except IndexError:  # a slot past what was seen so far: grow (doubling), then store
+            need = int(slots.max()) + 2
+            grow = max(need, 2 * self._target.numel()) - self._target.numel()
+            self._target = torch.cat([self._target[:-1], torch.zeros(grow + 1, dtype=torch.int64)])
+            self._drafter = torch.cat([self._drafter[:-1], torch.full((grow + 1,), -1, dtype=torch.int64)])
+            getattr(self, table)[slots] = self.step
 
     def target_wrote(self, slots: torch.Tensor) -> None:
         """A step's target forward wrote these slots (a new step begins)."""
         self.step += 1
-        slots = self._fit(slots)
-        self._target[slots] = self.step
+        self._store("_target", slots)
 
     def drafter_wrote(self, slots: torch.Tensor) -> None:
         """The drafter wrote its context into these slots."""
-        slots = self._fit(slots)
-        self._drafter[slots] = self.step
+        self._store("_drafter", slots)
 
     def hold_context(self, block_ids: list[int], block_size: int, tokens: int) -> bool:
         """Do the first ``tokens`` slots of the blocks ``block_ids`` (a
@@ -54,6 +56,6 @@ class DrafterSlots:
             return True
         ids = torch.tensor(block_ids[: -(-tokens // block_size)], dtype=torch.int64)
         slots = (ids[:, None] * block_size + torch.arange(block_size)[None, :]).flatten()[:tokens]
-        if int(slots.max()) >= self._target.numel():
+        if int(slots.max()) >= self._target.numel() - 1:
             return False  # never written through this tracker
         return bool((self._drafter[slots] >= self._target[slots]).all())
