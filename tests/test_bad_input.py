@@ -43,7 +43,8 @@ CASES = {
     "not a DSpark checkpoint": (lambda tmp: {"model": str(TARGET_DIR)}, None,
                                 r"not a DSpark checkpoint.*Qwen3ForCausalLM"),
     "folder without config.json": (lambda tmp: {"model": str(tmp)}, None, r"has no config\.json"),
-    "DeepSeek-V4 bundled layout": (lambda tmp: {"model": _drafter_copy(tmp, dspark_block_size=5)}, None,
+    "DeepSeek-V4 bundled layout": (lambda tmp: {"model": _drafter_copy(
+        tmp, architectures=["DeepseekV4ForCausalLM"], dspark_block_size=5)}, None,
                                    r"DeepSeek-V4 target with its DSpark drafter bundled.*'dspark_block_size'"),
     "anchor-less blocks": (lambda tmp: {"model": _drafter_copy(tmp, sample_from_anchor=False)}, None,
                            r"sample_from_anchor=false.*1\+N layout"),

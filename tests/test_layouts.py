@@ -125,6 +125,11 @@ def test_layouts_that_cannot_load_are_refused_by_name(case):
         describe(cfg, "some/drafter")
 
 
+def test_other_dspark_keys_do_not_make_a_drafter_bundled():
+    """vLLM's own dspark_draft_topk may sit in a native drafter's config."""
+    assert describe({**NATIVE_CFG, "dspark_draft_topk": 4}, "x").layout == "native"
+
+
 def test_trainer_layout_reads_nested_keys():
     spec = describe(_trainer_cfg(), "x")
     assert (spec.layout, spec.mask_token_id, spec.markov_rank) == ("trainer", 2, 32)

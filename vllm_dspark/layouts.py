@@ -36,6 +36,10 @@ from vllm_dspark.config import DSparkConfigError
 NATIVE, TRAINER, SPECULATORS = "native", "trainer", "speculators"
 ATTR = "dspark_drafter"  # the description, as a dict, on the draft hf_config
 _V2 = "vLLM's in-tree V2 runner (VLLM_USE_V2_MODEL_RUNNER=1, on GPU)"
+# DeepSeek-V4 keeps its DSpark settings in the target's config under these
+# (other dspark_* keys, such as vLLM's dspark_draft_topk, may sit in any drafter's).
+_BUNDLED_KEYS = frozenset({"dspark_block_size", "dspark_target_layer_ids", "dspark_markov_rank",
+                           "dspark_noise_token_id"})
 
 
 @dataclass(frozen=True)
@@ -91,16 +95,16 @@ def _layout_of(cfg: dict, path: str) -> tuple[str, str]:
             return SPECULATORS, "speculators_model_type='dspark'"
         raise _refuse(path, f"a speculators {smt!r} checkpoint, not DSpark", f"speculators_model_type={smt!r}",
                       f"serve it with speculative_config method {smt!r} instead of 'dspark'.")
-    bundled = sorted(k for k in cfg if k.startswith("dspark_"))
+    if "Qwen3DSparkModel" in archs:
+        return NATIVE, "architectures=['Qwen3DSparkModel']"
+    if "DSparkDraftModel" in archs and cfg.get("model_type") == "qwen3":
+        return TRAINER, "architectures=['DSparkDraftModel'] with model_type='qwen3'"
+    bundled = sorted(_BUNDLED_KEYS & set(cfg))
     if bundled:
         raise _refuse(path, "a DeepSeek-V4 target with its DSpark drafter bundled (no separate drafter)",
                       repr(bundled[0]), f"this CPU build cannot run it; use {_V2}, with the target "
                       "itself as the model.")
-    if "Qwen3DSparkModel" in archs:
-        return NATIVE, "architectures=['Qwen3DSparkModel']"
     if "DSparkDraftModel" in archs:
-        if cfg.get("model_type") == "qwen3":
-            return TRAINER, "architectures=['DSparkDraftModel'] with model_type='qwen3'"
         raise _refuse(path, "a DeepSeek-V4 DSpark drafter", f"model_type={cfg.get('model_type')!r}",
                       f"only Qwen3 drafters run here (model_type 'qwen3'); use {_V2}.")
     others = {"DFlashDraftModel": ("a DFlash drafter (no Markov head)", "use speculative_config method 'dflash'."),
