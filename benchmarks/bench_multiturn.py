@@ -26,13 +26,6 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 
-def metric(base: str, name: str) -> float:
-    import requests
-
-    text = requests.get(f"{base}/metrics", timeout=30).text
-    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
-
-
 def turn_request(base: str, model: str, prompt: str, tokens: int) -> tuple[float, str, int]:
     """(seconds to the first streamed token, the reply, its token count)."""
     import requests
@@ -56,16 +49,18 @@ def turn_request(base: str, model: str, prompt: str, tokens: int) -> tuple[float
 
 
 def run_arm(base: str, model: str, openings: list[list[str]], tokens: int) -> dict:
+    from vllm_dspark.benchmarking import server_metric
+
     histories = ["" for _ in openings]
     turns = []
     for t in range(len(openings[0])):
-        q0, h0 = metric(base, "vllm:prefix_cache_queries_total"), metric(base, "vllm:prefix_cache_hits_total")
+        q0, h0 = server_metric(base, "vllm:prefix_cache_queries_total"), server_metric(base, "vllm:prefix_cache_hits_total")
         prompts = [h + f"\nUser: {conv[t]}\nAssistant:" for h, conv in zip(histories, openings)]
         with ThreadPoolExecutor(len(prompts)) as pool:
             results = list(pool.map(lambda p: turn_request(base, model, p, tokens), prompts))
         histories = [p + reply for p, (_, reply, _) in zip(prompts, results)]
-        queries = metric(base, "vllm:prefix_cache_queries_total") - q0
-        hits = metric(base, "vllm:prefix_cache_hits_total") - h0
+        queries = server_metric(base, "vllm:prefix_cache_queries_total") - q0
+        hits = server_metric(base, "vllm:prefix_cache_hits_total") - h0
         ttfts = sorted(r[0] for r in results)
         turns.append({"turn": t + 1, "ttft_median_s": statistics.median(ttfts),
                       "ttft_p90_s": ttfts[int(0.9 * (len(ttfts) - 1))], "prefix_queries": queries,

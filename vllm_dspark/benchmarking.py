@@ -268,6 +268,15 @@ def start_server(target: str, args: list[str], log_path: Path, env: dict | None 
                        + Path(log_path).read_text()[-3000:])
 
 
+def server_metric(base: str, name: str) -> float:
+    """A `vllm serve`'s Prometheus samples whose line starts with ``name``, summed."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"{base}/metrics", timeout=30) as resp:
+        text = resp.read().decode()
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
+
+
 def stop_server(server: tuple) -> None:
     import subprocess
 

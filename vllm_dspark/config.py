@@ -29,6 +29,12 @@ SYNTHETIC_REFUSED = (
     "(or set it to 'standard'); DSpark always verifies losslessly."
 )
 
+def refuse_synthetic(spec_config) -> None:
+    """vLLM's synthetic verification has no place under method='dspark'."""
+    if getattr(spec_config, "rejection_sample_method", None) == "synthetic":
+        raise DSparkConfigError(SYNTHETIC_REFUSED)
+
+
 # SamplingParams.extra_args key: a request's own cap on verified drafts (0..K).
 MAX_VERIFY_KEY = "dspark_max_verify"
 

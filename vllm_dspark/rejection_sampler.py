@@ -23,15 +23,14 @@ from vllm.v1.outputs import SamplerOutput
 from vllm.v1.sample.rejection_sampler import PLACEHOLDER_TOKEN_ID, RejectionSampler
 
 from vllm_dspark import ops
-from vllm_dspark.config import SYNTHETIC_REFUSED, DSparkConfigError
+from vllm_dspark.config import refuse_synthetic
 from vllm_dspark.sampling import RowParams, processed_probs, row_uniforms
 
 
 class DSparkRejectionSampler(RejectionSampler):
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        if self.synthetic_mode:
-            raise DSparkConfigError(SYNTHETIC_REFUSED)
+    def __init__(self, sampler, spec_config=None, *args, **kwargs):
+        refuse_synthetic(spec_config)
+        super().__init__(sampler, spec_config, *args, **kwargs)
         # (num_verified per request, accepted per request) of this forward, for the controller.
         self.last_outcome: tuple[list[int], list[int]] | None = None
 

@@ -19,7 +19,7 @@ import requests
 
 from tests.conftest import TARGET_DIR
 from tests.e2e.conftest import IDENTITY_TOKENS, TEST_DTYPE, dspark_config
-from vllm_dspark.benchmarking import start_server, stop_server
+from vllm_dspark.benchmarking import server_metric, start_server, stop_server
 
 pytestmark = pytest.mark.e2e
 STARTUP_TIMEOUT_S = 300
@@ -59,11 +59,6 @@ def nospec_server(tmp_path_factory):
         yield base
 
 
-def _metric(base: str, name: str) -> float:
-    text = requests.get(f"{base}/metrics", timeout=30).text
-    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
-
-
 def _complete(base: str, **body) -> dict:
     resp = requests.post(f"{base}/v1/completions", json={"model": MODEL, **body}, timeout=300)
     assert resp.status_code == 200, resp.text
@@ -75,7 +70,7 @@ def test_serve_greedy_identical(server, identity_prompts, nospec_reference):
     texts = [c["text"] for c in sorted(out["choices"], key=lambda c: c["index"])]
     mismatched = [i for i, (a, b) in enumerate(zip(texts, nospec_reference["text"])) if a != b]
     assert len(texts) == len(identity_prompts) and not mismatched, mismatched
-    assert _metric(server, "vllm:spec_decode_num_drafts_total") > 0, "the server must have run speculative decoding"
+    assert server_metric(server, "vllm:spec_decode_num_drafts_total") > 0, "the server must have run speculative decoding"
     # The controller's own metrics ride on the same /metrics (snapshots are
     # written at most every 0.5 s, so allow a moment).
     time.sleep(1.0)
@@ -85,7 +80,7 @@ def test_serve_greedy_identical(server, identity_prompts, nospec_reference):
                  "vllm_dspark:calibration_ece", "vllm_dspark:contextless_requests_total",
                  "vllm_dspark:dormant", "vllm_dspark:plain_steps_total", "vllm_dspark:draft_depth_bucket"):
         assert name in metrics, name
-    assert _metric(server, "vllm_dspark:verify_budget_tokens_total") > 0
+    assert server_metric(server, "vllm_dspark:verify_budget_tokens_total") > 0
 
 
 def test_serve_rejects_bad_override_with_400(server, identity_prompts):
@@ -134,7 +129,7 @@ def _soak(base: str, prompts: list[str], long_prompts: list[str]) -> dict:
         assert results[f"n2_{i}"]["usage"]["completion_tokens"] == 48
     assert results["choice"]["choices"][0]["text"] in ("alpha", "beta", "gamma")
     assert re.fullmatch("[0-9]{3}-[0-9]{4}", results["regex"]["choices"][0]["text"]), results["regex"]
-    hits_before = _metric(base, "vllm:prefix_cache_hits_total")
+    hits_before = server_metric(base, "vllm:prefix_cache_hits_total")
     repeated = []
     for _ in range(2):  # the second pass hits the first's blocks
         repeated.append([_complete(base, prompt=p, max_tokens=32, temperature=0, ignore_eos=True)["choices"][0]["text"]
@@ -144,8 +139,8 @@ def _soak(base: str, prompts: list[str], long_prompts: list[str]) -> dict:
                        for k in results if k.startswith("greedy")},
             "structured": (results["choice"]["choices"][0]["text"], results["regex"]["choices"][0]["text"]),
             "repeated": repeated[0],
-            "hits": _metric(base, "vllm:prefix_cache_hits_total") - hits_before,
-            "preemptions": _metric(base, "vllm:num_preemptions_total")}
+            "hits": server_metric(base, "vllm:prefix_cache_hits_total") - hits_before,
+            "preemptions": server_metric(base, "vllm:num_preemptions_total")}
 
 
 def test_serving_soak_matches_no_spec(server, nospec_server, heldout_prompts):
@@ -164,6 +159,6 @@ def test_serving_soak_matches_no_spec(server, nospec_server, heldout_prompts):
     assert got["preemptions"] > 0, "the soak must run under KV pressure"
     assert want["hits"] > 0 and got["hits"] >= 0.95 * want["hits"], (got["hits"], want["hits"])
     assert requests.get(f"{server}/health", timeout=10).status_code == 200
-    assert _metric(server, "vllm:spec_decode_num_drafts_total") > 0
+    assert server_metric(server, "vllm:spec_decode_num_drafts_total") > 0
     errors = [line for line in LOGS[server].read_text().splitlines() if " ERROR " in line or "Traceback" in line]
     assert not errors, errors[:5]

@@ -41,6 +41,16 @@ LEDGER: tuple[Hook, ...] = (
         "-", "-", None, scope="config",
     ),
     Hook(
+        "vllm.config.speculative.SpeculativeConfig.rejection_sample_method", "call",
+        "Read for dspark: 'synthetic' is refused at start-up and by DSparkRejectionSampler "
+        "(it accepts at fixed rates, whatever the target says).", "-", "-", None, scope="config",
+    ),
+    Hook(
+        "vllm.config.speculative.SpeculativeConfig.revision", "call",
+        "The revision a hub-id drafter's config.json is read at (layouts.locate).",
+        "-", "-", None, scope="config",
+    ),
+    Hook(
         "vllm.config.vllm.VllmConfig.__post_init__", "wrap",
         "Validate additional_config['dspark'], keep scheduling synchronous and "
         "point worker_cls at the DSpark worker for method='dspark'.",

@@ -11,7 +11,7 @@ serve dspark.
 import contextlib
 import functools
 
-from vllm_dspark.config import MAX_VERIFY_KEY, SYNTHETIC_REFUSED, DSparkConfigError, parse_knobs
+from vllm_dspark.config import MAX_VERIFY_KEY, DSparkConfigError, parse_knobs, refuse_synthetic
 
 _MARK = "__vllm_dspark_wrapped__"
 DSPARK_V1_ONLY = "dspark speculative decoding"
@@ -70,8 +70,7 @@ def _spec_post_init(original):
     def __post_init__(self):
         drafter = _read_drafter(self) if dspark_active(self) else None
         if drafter is not None:
-            if getattr(self, "rejection_sample_method", "standard") == "synthetic":
-                raise DSparkConfigError(SYNTHETIC_REFUSED)
+            refuse_synthetic(self)
             if self.num_speculative_tokens is None:
                 self.num_speculative_tokens = min(drafter.speculative_tokens or drafter.block_size,
                                                   drafter.block_size)
