@@ -77,7 +77,7 @@ def run(policy: str, reqs: int, steps: int, seed: int = 0) -> dict:
     tail = times[steps // 4:]  # past the cost models' warm-up
     return {"policy": policy, "requests": reqs, "steps": steps,
             "mean_us": 1e6 * statistics.fmean(tail), "median_us": 1e6 * statistics.median(tail),
-            "drafted_share": 1 - skipped / steps, "dormant_at_end": ctl.dormant}
+            "drafted_share": 1 - skipped / steps, "dormant_at_end": ctl.dormancy.dormant}
 
 
 def plot(record: dict, path: Path) -> None:

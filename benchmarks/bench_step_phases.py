@@ -35,7 +35,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 RUNNER = ("execute_model", "sample_tokens", "_update_states", "_prepare_inputs", "_build_attention_metadata",
           "_model_forward", "_sample", "_bookkeeping_sync")
-CONTROLLER = ("begin_step", "plan", "end_step")
+CONTROLLER = ("coasts", "begin_step", "plan", "end_step")
 SCHEDULER = ("schedule", "update_from_output")
 
 

@@ -52,7 +52,7 @@ class DSparkRunnerMixin:
                                        share=rank0_share(parallel.tensor_parallel_size))
         # Queued context is written only for live requests that keep it.
         self.drafter.context_queue.live_requests = self.dspark.ledger.wanted(self.requests)
-        self._step_verifies = False
+        self._step_verifies = self._coasting = False
         self._dspark_timing = NO_DRAFT
         rank = parallel.rank
         self._dspark_snapshots = SnapshotWriter(snapshot_dir(vllm_config.instance_id) if rank == 0 else None,
@@ -83,11 +83,15 @@ class DSparkRunnerMixin:
         return logits_indices, spec_decode_metadata, max_sampled
 
     def execute_model(self, scheduler_output, *args, **kwargs):
-        view = StepView.of(scheduler_output, self._stale_prefixes(scheduler_output))
-        self._step_verifies = view.verifies  # the rejection sampler runs this step
-        self._plain_switch.set(self.dspark.begin_step(view) is not None)
+        so, tokens = scheduler_output, scheduler_output.total_num_scheduled_tokens
+        # A coasting step is already plain (the step before was), with no verification.
+        self._coasting = self.dspark.coasts(so.num_scheduled_tokens, bool(so.scheduled_new_reqs),
+                                            bool(so.scheduled_spec_decode_tokens), so.finished_req_ids, tokens)
+        if not self._coasting:
+            view = StepView.of(so, self._stale_prefixes(so))
+            self._step_verifies = view.verifies  # the rejection sampler runs this step
+            self._plain_switch.set(self.dspark.begin_step(view) is not None)
         out = super().execute_model(scheduler_output, *args, **kwargs)
-        tokens = scheduler_output.total_num_scheduled_tokens
         if self.cache_config.enable_prefix_caching and tokens:
             self.drafter.slots.target_wrote(self.input_batch.block_table[0].slot_mapping.gpu[:tokens])
         return out
@@ -103,6 +107,8 @@ class DSparkRunnerMixin:
                          and not slots.hold_context(r.block_ids[0], size, r.num_computed_tokens))
 
     def sample_tokens(self, *args, **kwargs):
+        if self._coasting:
+            return super().sample_tokens(*args, **kwargs)
         self._dspark_timing = NO_DRAFT
         out = super().sample_tokens(*args, **kwargs)
         if not self._plain_switch.on and isinstance(out, ModelRunnerOutput):

@@ -223,10 +223,59 @@ def test_dormant_plain_steps_train_the_models_one_in_every_few():
     assert len(run(awake, n)) == n - 1  # the last step is recorded at the next start
     assert len(run(dormant, n + 1)) == n // every and dormant.steps == n  # the last one counts at the next start
     # Until the budget can price steps (its nospec model is learning), every plain step is.
-    assert cold.dormant and TUNING.budget_warmup_steps <= len(run(cold, n)) < n - 1
+    assert cold.dormancy.dormant and TUNING.budget_warmup_steps <= len(run(cold, n)) < n - 1
     assert cold.budget.ready
     assert run(verifying, n, verifies=True) == [True] * (n - 1)
     assert every > 1
+
+
+def test_dormant_plain_steps_coast_between_the_rule_s_checks():
+    """Dormant, where the runner runs plain steps: a step like the one before
+    (nothing admitted, nothing verified) coasts unless the rule is due (one
+    step in dormant_recheck_every): it is not recorded and does not run the
+    rule, and once booked it counts as a plain step and the budget has earned
+    its share at the nospec model's price. An admission or a verify step does
+    not coast. Which steps coast depends on no timing: controllers with
+    different clocks (ranks) coast on the same steps."""
+    every = TUNING.dormant_recheck_every
+
+    def run(ctl, views):
+        seen, rules, coasted = _recording(ctl), [], []
+        skips = ctl._skips
+        ctl._skips = lambda *a: rules.append(1) or skips(*a)
+        for v in views:  # as the runner drives it
+            coasted.append(ctl.coasts(v.req_ids, bool(v.new_req_ids), v.verifies, v.finished_req_ids, v.tokens))
+            if not coasted[-1]:
+                ctl.begin_step(v)
+                ctl.end_step(StepTiming())
+        ctl.snapshot()  # books the last steps coasted
+        return coasted, len(seen), len(rules)
+
+    ticks = [iter(range(10**6)), iter(range(0, 10**7, 7))]
+    ctls = [DSparkController(DSparkKnobs(persist_cost_model=False), block_len=4, plain_steps=True,
+                             now=lambda it=it: next(it) * 1e-3) for it in ticks]
+    n = 8 * every
+    views = [_view(("a", "b"))] * n + [_view(("a", "b", "c"), new=("c",))] + [_view(("a", "b"))] * 3
+    runs = []
+    for ctl in ctls:
+        _fund(ctl)
+        ctl.dormancy.sleep()
+        ctl.dormancy.wake = lambda: None  # held dormant: the rule still runs (the budget would re-test)
+        before = ctl.budget.balance
+        runs.append(run(ctl, views))
+        earned = sum(runs[-1][0]) * TUNING.budget_share * 5e-3  # at the pinned price, 5 ms a step
+        assert ctl.budget.balance >= min(before + earned, TUNING.budget_cap_steps * 5e-3) > before
+        # Every step counted: the others at the next start, the last (coasting) at once.
+        assert ctl.snapshot().plain_steps == ctl.steps == len(views) and runs[-1][0][-1]
+    assert runs[0] == runs[1]
+    coasted, recorded, rules = runs[0]
+    assert not coasted[0] and not coasted[n]  # the first step, and an admission
+    assert sum(coasted[:n]) == n - n // every - 1 and rules == len(views) - sum(coasted)  # the rule: 1 in every
+    assert recorded < rules  # the rule's steps, one in dormant_record_every of them
+    awake = DSparkController(DSparkKnobs(persist_cost_model=False), block_len=4, plain_steps=True)
+    _fund(awake)
+    awake.dormancy.wake()
+    assert not any(run(awake, [_view(("a",), verifies=True)] * 8)[0])
 
 
 def test_plain_cost_at_an_unseen_batch_size_comes_from_the_verify_model():
@@ -383,23 +432,23 @@ def test_dormant_after_a_long_skip_until_drafting_pays():
     _fund(ctl)
     for _ in range(16):
         _start(ctl, waiting=0, running=64)
-        assert _skips(ctl) and not ctl.dormant
+        assert _skips(ctl) and not ctl.dormancy.dormant
     # The step that turns dormant admits its new request ("b") by its own verdict.
     _start(ctl, waiting=0, running=64, new=("b",))
-    assert _skips(ctl, ("a", "b")) and ctl.dormant
+    assert _skips(ctl, ("a", "b")) and ctl.dormancy.dormant
     assert ctl.ledger.among(["a", "b"]) == {"b"}
     # A lone check where drafting pays (a wave boundary) does not end it.
     ctl.ledger.lose_all(["a"])
     for running in (1,) * recheck + (64,) * recheck:
         _start(ctl, waiting=0, running=running)
-        assert _skips(ctl) and ctl.dormant
+        assert _skips(ctl) and ctl.dormancy.dormant
     # Load gone: drafting pays, but the request left has no context (cap 0).
     # Two checks in a row end dormancy (the budget holds an episode's reserve).
     dormant = []
     for _ in range(2 * recheck):
         _start(ctl, waiting=0)
         assert _skips(ctl)
-        dormant.append(ctl.dormant)
+        dormant.append(ctl.dormancy.dormant)
     assert not dormant[-1] and dormant.index(False) >= recheck
     _start(ctl, waiting=0)
     assert not _skips(ctl, ("c",))  # the next request has context: it drafts
@@ -408,10 +457,10 @@ def test_dormant_after_a_long_skip_until_drafting_pays():
     small = _skip_rule_ctl(tuning, dormant_after_steps=16, slo_tokens_per_s=1e6)  # never pays
     for _ in range(100):
         _start(never, waiting=0, running=64)
-        assert _skips(never) and not never.dormant
+        assert _skips(never) and not never.dormancy.dormant
         _start(small, waiting=0, running=1)
         assert _skips(small)
-    assert small.dormant and not _ctl(cold=True, dormant_after_steps=0).dormant
+    assert small.dormancy.dormant and not _ctl(cold=True, dormant_after_steps=0).dormancy.dormant
 
 
 def test_dormancy_ends_only_where_drafting_pays_beyond_the_cost_models_error():
@@ -431,7 +480,7 @@ def test_dormancy_ends_only_where_drafting_pays_beyond_the_cost_models_error():
         for _ in range(17):
             _start(ctl, waiting=0, running=64)
             _skips(ctl)
-        assert ctl.dormant
+        assert ctl.dormancy.dormant
         linear = CostParams(5e-3, 1e-4, 1e-4)
         ctl.costs.pin(CostCurve("cheap drafts", spec=linear, plain=linear, draft=CostParams(3e-4, 1e-5, 1e-6)), "t")
         ctl.costs._errors.extend([error] * 10)
@@ -440,7 +489,7 @@ def test_dormancy_ends_only_where_drafting_pays_beyond_the_cost_models_error():
         for _ in range(4 * tuning.dormant_recheck_every):
             _start(ctl, waiting=0, running=running)
             _skips(ctl)
-            checks.append(ctl.dormant)
+            checks.append(ctl.dormancy.dormant)
         ends.append(checks.index(False) if False in checks else None)
     assert ends[0] is None and ends[1] is not None and ends[2] is None
 
@@ -456,14 +505,14 @@ def test_dormant_engine_never_drafts_and_re_tests_on_a_full_budget():
     for _ in range(100):
         _start(ctl, waiting=0, running=64)
         assert _skips(ctl)
-    assert ctl.dormant and not ctl.budget.full
+    assert ctl.dormancy.dormant and not ctl.budget.full
     _fund(ctl, 100 * int(tuning.budget_cap_steps / tuning.budget_share))
     assert ctl.budget.full
     woke = []
     for _ in range(tuning.dormant_recheck_every):
         _start(ctl, waiting=0, running=64, new=("b",))
         _skips(ctl, ("a", "b"))
-        woke.append(not ctl.dormant)
+        woke.append(not ctl.dormancy.dormant)
     assert woke[-1] and not woke[0]
 
 

@@ -94,6 +94,14 @@ class ExplorationBudget:
         if self._step:
             self._pay_in(seconds, self._share * seconds)
 
+    def earn_alike(self, reqs: int, tokens: int, steps: int) -> None:
+        """Dormant plain steps left untimed (coasting.py), each of ``reqs``
+        requests and ``tokens`` tokens: priced by the nospec model, which
+        every rank holds alike."""
+        if self._step:
+            baseline = steps * self._nospec.params.predict(reqs, tokens)
+            self._pay_in(baseline, self._share * baseline)
+
     def _pay_in(self, baseline: float, amount: float) -> None:
         """A priced step: no speculation would have taken ``baseline``; the
         balance moves by ``amount``, up to the cap."""

@@ -60,6 +60,11 @@ class StepClock:
         self._t_start = now
         return held if self.share is None else self._rank0(held)
 
+    @property
+    def holding(self) -> bool:
+        """A step's sample waits for the next ``begin``."""
+        return self._held is not None
+
     def agree(self, *values) -> tuple:
         """Rank 0's values (ints) for this rank's decisions. Under tensor parallelism
         a rank's confidences may differ from rank 0's in the last bit, and the

@@ -1,6 +1,6 @@
 """DSparkController: each step, whether to draft, how deep, and how many
 drafted tokens each request verifies. The runner and the simulator drive the
-same five calls (plan.py); every decision is made here and flows one way
+same six calls (plan.py); every decision is made here and flows one way
 back as a StepPlan or verify lengths. The parts, one job each:
 
   clock      StepClock          how long each step took (rank 0's, under TP)
@@ -9,6 +9,7 @@ back as a StepPlan or verify lengths. The parts, one job each:
   policy     VerifyPolicy       the verify lengths (full / threshold / adaptive)
   gate       DraftGate          does drafting pay, at what depth; probes (adaptive)
   dormancy   Dormancy           when to run as an engine without speculation (adaptive)
+  coasting   Coasting           plain steps: their bookkeeping; the dormant ones coast
   budget     ExplorationBudget  what speculation cost against none, measured
   ledger     ContextLedger      which requests keep drafter context
   telemetry  Telemetry          totals, the snapshot, traces
@@ -18,7 +19,7 @@ are non-anticipating and verification stays lossless (docs/controller.md).
 """
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 import torch
@@ -27,6 +28,7 @@ from vllm_dspark.config import DSparkKnobs
 from vllm_dspark.controller.acceptance import AcceptanceModel
 from vllm_dspark.controller.budget import ExplorationBudget
 from vllm_dspark.controller.clock import StepClock, StepSample
+from vllm_dspark.controller.coasting import Coasting
 from vllm_dspark.controller.context_ledger import ContextLedger
 from vllm_dspark.controller.costs import StepCosts
 from vllm_dspark.controller.dormancy import Dormancy
@@ -59,21 +61,21 @@ class DSparkController:
         self.ledger = ContextLedger()
         self.telemetry = Telemetry(block_len, knobs.trace_folder(), knobs.policy, knobs.log_every)
         self.clock = StepClock(tuning, now, share)
+        self.coasting = Coasting(plain_steps, self.dormancy, self.budget, self.ledger, self.gate, self.telemetry)
         self._plain_steps = plain_steps
         self.steps = 0  # steps recorded or counted
         self.depth = block_len  # the walk depth of the last plan
-        self._view = NO_STEP
+        self._view, self._gained = NO_STEP, (0, 0)  # this step's view; its verified and accepted drafts
         self._plain_step = False  # this step runs without speculation
-        self._gained = (0, 0)  # this step's verified and accepted drafts
         self._building = 1.0  # share of the last batch without drafter context
 
     # -- the step, in order -------------------------------------------------
     def begin_step(self, view: StepView) -> StepPlan | None:
         """A step starts. Returns the plan at once when it runs as vLLM's step
         without speculation; else None (the plan comes from ``plan``)."""
-        sample = self.clock.begin()
-        if sample is not None:
-            self._record(sample)
+        due, self.coasting.due = self.coasting.due, None
+        self._count(self.coasting.book())
+        self._record(self.clock.begin())
         self._view, self._gained = view, (0, 0)
         self.ledger.forget(view.finished_req_ids)
         # A step in which no request keeps drafter context has no speculative work either.
@@ -81,13 +83,19 @@ class DSparkController:
             self.dormancy.enabled and not view.new_req_ids and self.ledger.all_without(view.req_ids))))
         if not (self._plain_steps and self._plain_step):
             return None
-        if view.num_reqs:
-            # No request in such a step keeps context; the rule still runs (it ends dormancy).
-            self.telemetry.totals.contextless_requests += len(view.new_req_ids)
-            self.ledger.lose_all(view.req_ids)
-            self.telemetry.totals.plain_steps += 1
-            self._skips(view.num_reqs, None)
+        if view.num_reqs:  # no request in it keeps context; the rule still runs (it ends dormancy)
+            self.coasting.ran(view)
+            self._skips(view.num_reqs, None, due)
         return StepPlan("plain", self.depth)
+
+    def coasts(self, req_ids: Collection[str], admits: bool, verifies: bool, finished: Collection[str],
+               tokens: int) -> bool:
+        """Asked before begin_step: does this step coast (coasting.py)? Then
+        the runner runs it plain and calls nothing else of the controller."""
+        coasts = self.coasting.coasts(self._plain_step, req_ids, admits, verifies, finished, tokens)
+        if coasts and self.clock.holding:  # the step before ran the rule: its sample, now its gap is known
+            self._record(self.clock.begin())
+        return coasts
 
     def observe(self, outcome: VerifyOutcome) -> None:
         """What verification did with last step's drafts."""
@@ -137,12 +145,12 @@ class DSparkController:
             self.telemetry.log(self.snapshot())
 
     # -- the drafting rule (policy adaptive) ----------------------------------
-    def _skips(self, rows: int, requests: RequestView | None) -> bool:
-        """Skip the drafter this step? ``requests`` None: a plain step, where
-        no request has context. Decided from past steps and this step's load
-        only: non-anticipating. docs/controller.md, "The drafting gate"."""
+    def _skips(self, rows: int, requests: RequestView | None, due: bool | None = None) -> bool:
+        """Skip the drafter this step? ``requests`` None: a plain step, where no
+        request has context (``due``: coasts found the rule due). Decided from
+        past steps and this step's load only: non-anticipating. docs/controller.md."""
         gate, dormancy = self.gate, self.dormancy
-        if dormancy.cheap_skip():
+        if not due and dormancy.cheap_skip():
             self._admit(requests)
             gate.skipped()
             return self._skip()
@@ -161,16 +169,14 @@ class DSparkController:
         if dormancy.dormant or (dormancy.guarded and self.budget.draft_tokens(self._building) == 0):
             return self._skip()
         if verdict.net > 0 and requests is not None:
-            # Caps only take candidates away: read (a pass over every request)
-            # only when drafting pays without them, and heeded where one binds.
+            # Caps only take candidates away: read (a pass) only where drafting pays without them.
             counts = level_counts(self.ledger.zero_caps(requests.req_ids, requests.caps()), self.k)
             if counts[-1] < rows:
                 verdict = assessment.best(counts)
         self.depth = verdict.depth
         if gate.drafts(verdict.net, assessment.plain, contexts, self._view, self.costs, dormancy.on_trial):
             return self._draft()
-        # A skip for want of context is no verdict on drafting.
-        return self._skip(counted=contexts > 0)
+        return self._skip(counted=contexts > 0)  # for want of context: no verdict on drafting
 
     def _admit(self, requests: RequestView | None) -> int:
         """This step's admissions, by this step's dormancy; requests with context."""
@@ -192,7 +198,9 @@ class DSparkController:
         return False
 
     # -- bookkeeping ------------------------------------------------------------
-    def _record(self, sample: StepSample) -> None:
+    def _record(self, sample: StepSample | None) -> None:
+        if sample is None:  # no step held
+            return
         if sample.recorded:
             predicted = self.costs.observe(sample)
             self.budget.settle(sample)
@@ -201,17 +209,15 @@ class DSparkController:
             self.budget.earn(sample.seconds)
         self._count()
 
-    def _count(self) -> None:
-        self.steps += 1
-        if self.steps % self.tuning.save_every_steps == 0:
+    def _count(self, steps: int = 1) -> None:
+        every = self.tuning.save_every_steps
+        before, self.steps = self.steps, self.steps + steps
+        if self.steps // every > before // every:
             self.close()
-
-    @property
-    def dormant(self) -> bool:
-        return self.dormancy.dormant
 
     def snapshot(self) -> ControllerSnapshot:
         """Everything /metrics, the log line and the benchmarks show."""
+        self._count(self.coasting.book())
         return self.telemetry.snapshot(dormant=self.dormancy.dormant, acceptance=self.acceptance,
                                        costs=self.costs, load=self._view.load, budget=self.budget)
 

@@ -9,7 +9,7 @@ budget can price speculation against steps without it (not with a pinned
 cost curve: the budget then stays out). While dormant, new
 requests get no drafter context (the context ledger), and where the runner
 can, steps run as vLLM's steps without speculation; the full rule runs every
-``dormant_recheck_every`` steps. Whether dormancy ends is the controller's
+``dormant_recheck_every`` steps (those between coast: coasting.py). Whether dormancy ends is the controller's
 call (``heed``), from ``pays`` (``dormant_exit_checks`` checks in a row where
 drafting pays by more than the cost models' recent error times what drafting
 and verifying cost: ending it costs what no model sees, and a rule near
@@ -124,7 +124,7 @@ class Dormancy:
 
     def unrecorded(self, drafted: int, verifies: bool) -> bool:
         """Leave this step out of the cost models? While dormant, plain steps
-        are alike: one in ``dormant_record_every`` is recorded."""
+        are alike: one in ``dormant_record_every`` of those that do not coast is recorded."""
         if not self.dormant or drafted or verifies:
             return False
         self._plain += 1

@@ -79,9 +79,9 @@ class DraftGate:
     def assess(self, estimate, costs: StepCosts, view: StepView, rows: int) -> Assessment:
         return Assessment(self.k, estimate, costs, view, rows, self.slo)
 
-    def skipped(self) -> None:
-        """A step skipped without the rule (dormant): a probe falls due as it would have."""
-        self._skips_in_row += 1
+    def skipped(self, steps: int = 1) -> None:
+        """Steps skipped without the rule (dormant): a probe falls due as it would have."""
+        self._skips_in_row += steps
 
     def drafts(self, net: float, plain: float, contexts: int, view: StepView, costs: StepCosts,
                trial: bool = False) -> bool:

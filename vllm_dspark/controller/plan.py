@@ -2,6 +2,8 @@
 
 A step, in the order both drive it (docs/controller.md):
 
+    coasts(req_ids, ...)     -> True: the step runs plain and nothing else
+                                is called (a dormant engine's alike steps)
     begin_step(StepView)     -> StepPlan("plain") when the step runs as one
                                 without speculation, else None
     observe(VerifyOutcome)      what verification did with last step's drafts

@@ -95,6 +95,7 @@ class Telemetry:
         self.totals = ControllerTotals.for_block(block_len)
         self.last = LastStep()
         self.log_every = log_every
+        self._next_log = log_every  # the step count the next log line is due at (steps may pass it unlogged)
         self.trace = TraceWriter(trace_dir, {"block_len": block_len, "policy": policy}) if trace_dir else None
 
     def chose(self, lengths: list[int], depth: int) -> None:
@@ -133,7 +134,10 @@ class Telemetry:
                 self.trace.block(step, rid, greedy[i], raw[i], cal_rows[i], n, a)
 
     def log_due(self, steps: int) -> bool:
-        return bool(self.log_every and steps and steps % self.log_every == 0)
+        if not self.log_every or steps < self._next_log:
+            return False
+        self._next_log = (steps // self.log_every + 1) * self.log_every
+        return True
 
     def snapshot(self, *, dormant: bool, acceptance, costs, load, budget) -> ControllerSnapshot:
         t, last = self.totals, self.last

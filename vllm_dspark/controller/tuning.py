@@ -75,7 +75,7 @@ class ControllerTuning:
     dormant_skip_share: float = 0.9  # share of recent steps that skipped drafting before dormancy
     dormant_recheck_every: int = 8  # steps between full checks while dormant
     dormant_exit_checks: int = 2  # paying checks in a row that end dormancy
-    dormant_record_every: int = 4  # dormant plain steps per one recorded into the cost models
+    dormant_record_every: int = 4  # dormant plain steps (not coasting) per one recorded into the cost models
     # Exploration budget (budget.py)
     budget_share: float = 0.01  # of no-speculation time that exploring may give up, measured
     budget_cap_steps: float = 64.0  # the most the balance holds, in plain steps: full, it re-tests a no-draft verdict

@@ -61,7 +61,7 @@ class FixedK(Policy):
 
 class ControllerPolicy(Policy):
     """The plugin's DSparkController, driven through the engine's own calls
-    (begin_step, observe, plan, choose, end_step) in the engine's order: a
+    (coasts, begin_step, observe, plan, choose, end_step) in the engine's order: a
     step's target verifies the drafts of the step before, and what that costs
     on ``curve`` reaches the controller through a simulated clock, so it
     learns its costs as when serving (unless ``pinned``) and calibrates online
@@ -80,6 +80,7 @@ class ControllerPolicy(Policy):
         self._live: set[str] = set()
         self._last: VerifyOutcome | None = None  # the drafts this step verifies
         self._target_s = 0.0
+        self.coasted = False  # this step coasts (the controller hears of it only through coasts)
 
     def skip(self, ids):
         r, last, live = len(ids), self._last, set(ids)
@@ -87,7 +88,9 @@ class ControllerPolicy(Policy):
         view = StepView(tuple(ids), tuple(i for i in ids if i not in self._live), tuple(self._live - live),
                         None, r + verified, 0, verified > 0)
         self._live, self._last = live, None
-        self.ran_plain = self.ctl.begin_step(view) is not None
+        self.coasted = self.ctl.coasts(view.req_ids, bool(view.new_req_ids), view.verifies, view.finished_req_ids,
+                                       view.tokens)
+        self.ran_plain = self.coasted or self.ctl.begin_step(view) is not None
         self._target_s = float(self.curve.spec(r, r + verified) if verified
                                else (self.curve.nospec if self.ran_plain else self.curve.plain)(r, r))
         if self.ran_plain:
@@ -103,7 +106,8 @@ class ControllerPolicy(Policy):
 
     def observe(self, ids, lengths, accepted, num_reqs, tokens, target_s, draft_s, drafted):
         self._now += self._target_s + draft_s
-        self.ctl.end_step(StepTiming(draft_s, drafted))
+        if not self.coasted:
+            self.ctl.end_step(StepTiming(draft_s, drafted))
         if lengths is not None:
             self._last = VerifyOutcome(list(ids), [int(n) for n in lengths], [int(a) for a in accepted])
 

@@ -1,0 +1,77 @@
+"""Coasting: the bookkeeping of plain steps, and the dormant engine's cheapest.
+
+While dormant, a plain step like the one before it (nothing admitted,
+nothing verified) between the rule's checks (``dormant_recheck_every``,
+dormancy.py) only needs counting. The runner asks ``coasts`` before the step
+and, where it does, runs vLLM's step without speculation and calls nothing
+else of the controller: the step is not timed, recorded or checked, and at
+the next step that does not coast, the coasted steps are booked at once
+(totals, the gate's skip count, and the budget's share of what the nospec
+model prices them at). In an engine a Python call costs about 1-2 µs after the
+forward has flushed the caches (a coasting step took 22 µs of controller
+time when it went through begin_step and end_step), so the fewer, the
+closer such a step comes to one of an engine without speculation. Whether a
+step coasts is a function of the step and of state every rank holds alike
+(dormancy is agreed; the nospec model learns from rank 0's timings), so
+under tensor parallelism every rank coasts on the same steps.
+"""
+
+from collections.abc import Collection
+
+from vllm_dspark.controller.budget import ExplorationBudget
+from vllm_dspark.controller.context_ledger import ContextLedger
+from vllm_dspark.controller.dormancy import Dormancy
+from vllm_dspark.controller.gate import DraftGate
+from vllm_dspark.controller.plan import StepView
+from vllm_dspark.controller.telemetry import Telemetry
+
+
+class Coasting:
+    """Plain steps' bookkeeping, and whether a dormant one coasts."""
+
+    def __init__(self, enabled: bool, dormancy: Dormancy, budget: ExplorationBudget, ledger: ContextLedger,
+                 gate: DraftGate, telemetry: Telemetry):
+        """``enabled``: the runner can run vLLM's plain step."""
+        self.enabled = enabled and telemetry.trace is None  # a trace wants every step
+        self._dormancy, self._budget, self._ledger, self._gate, self._telemetry = (dormancy, budget, ledger, gate,
+                                                                                   telemetry)
+        self.due: bool | None = None  # this step was asked, and the rule is due (None: not asked)
+        self._coasted = 0  # steps coasted since the last booking
+        self._batch = (0, 0)  # the last one's requests and tokens
+
+    def coasts(self, plain_before: bool, req_ids: Collection[str], admits: bool, verifies: bool,
+               finished: Collection[str], tokens: int) -> bool:
+        """Does this step coast? ``plain_before``: the step before ran plain."""
+        dormancy = self._dormancy
+        if not (self.enabled and plain_before and dormancy.dormant and self._budget.ready) or admits or verifies:
+            self.due = None
+            return False
+        self.due = not dormancy.cheap_skip()
+        if self.due:
+            return False
+        ledger = self._ledger
+        if finished:
+            ledger.forget(finished)
+        ledger.lose_all(req_ids)  # a resumed request recomputed without drafter context
+        self._coasted += 1
+        self._batch = (len(req_ids), tokens)
+        return True
+
+    def book(self) -> int:
+        """Book the steps coasted since the last call; how many."""
+        n = self._coasted
+        if n:
+            self._coasted = 0
+            totals = self._telemetry.totals
+            totals.plain_steps += n
+            totals.skipped_steps += n
+            self._gate.skipped(n)
+            self._budget.earn_alike(*self._batch, n)
+        return n
+
+    def ran(self, view: StepView) -> None:
+        """A plain step ran (not coasting): no request in it keeps drafter context."""
+        self._ledger.lose_all(view.req_ids)
+        totals = self._telemetry.totals
+        totals.contextless_requests += len(view.new_req_ids)
+        totals.plain_steps += 1
