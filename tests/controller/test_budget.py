@@ -186,6 +186,43 @@ def test_an_exploring_episode_is_a_trial_that_drafts_whatever_the_models_say():
     assert not d.dormant and not d.on_trial
 
 
+def test_an_episode_measured_gaining_stays_on_trial_whatever_the_models_say():
+    """Past its trial steps, an episode the budget measures gaining on no
+    speculation (over at least trial_steps priced steps) still drafts
+    whatever the models say, and their rule does not end it; once its steps
+    add up to a loss, their rule does."""
+    from vllm_dspark.controller.dormancy import Dormancy
+
+    after, n = 32, TUNING.trial_steps
+    b = _budget()
+    b.settle(_plain())
+    d = Dormancy(TUNING, after, b)
+    d.heed(True, 0.0, 1)  # curious: an exploring episode opens
+    for _ in range(n):
+        d.remember(False)  # its trial drafted...
+    assert not d.on_trial  # ...and nothing was priced
+    # 1 request + 2 drafts, both accepted: 3 tokens in 1.2 plain steps' time.
+    gaining = StepSample(1, 3, True, 1.2 * STEP, 0.2 * STEP, 1, plain=False, draft_tokens=2, accepted=2)
+    for _ in range(n - 1):
+        b.settle(gaining)
+    assert not b.gaining  # one priced step short
+    b.settle(gaining)
+    assert b.gaining and d.on_trial
+    for _ in range(after):
+        d.remember(True)  # the window full of skips, and a settled verdict that drafting loses...
+    d.update(-1.0, 1.0, 0.0, settled=True)
+    assert not d.dormant  # ...does not end a gaining episode
+    losing = StepSample(1, 3, True, 4.0 * STEP, STEP, 1, plain=False, draft_tokens=2, accepted=0)
+    while b.gaining:
+        b.settle(losing)
+    assert b.excess > 0 and not d.on_trial
+    d.update(-1.0, 1.0, 0.0, settled=True)
+    assert d.dormant
+    b.close()
+    b.open(False, 1)
+    assert not b.gaining  # a new episode measures afresh
+
+
 def _costs():
     from vllm_dspark.controller.costs import StepCosts
 

@@ -56,6 +56,8 @@ class ExplorationBudget:
         self._credit = 0.0  # plain steps of debt the episode may run into while building context
         self._opened = 0.0  # the balance the last episode opened with
         self._episode: int | None = None  # the open episode's batch-size class (None: none open)
+        self._min_gain_steps = t.trial_steps
+        self._gain = (0.0, 0)  # the open episode's excess so far, over how many priced speculating steps
         # Per batch-size class after a losing episode: (the balance it must regain, the losses in a row there).
         self._marks: dict[int, tuple[float, int]] = {}
 
@@ -87,6 +89,7 @@ class ExplorationBudget:
         baseline = params.predict(s.reqs, s.tokens - s.draft_tokens) + s.accepted * self._token
         excess = s.seconds + s.extra_seconds - baseline
         self.excess += excess
+        self._gain = (self._gain[0] + excess, self._gain[1] + 1)
         self._pay_in(baseline, self._share * baseline - excess)
 
     def earn(self, seconds: float) -> None:
@@ -115,7 +118,7 @@ class ExplorationBudget:
         cap where models that have seen enough drafting say it pays
         (``sure``), else by what the balance holds now."""
         self._credit = self._cap if sure else max(self.balance, 0.0) / self._step
-        self._opened, self._episode = self.balance, rows.bit_length()
+        self._opened, self._episode, self._gain = self.balance, rows.bit_length(), (0.0, 0)
 
     @property
     def episode_open(self) -> bool:
@@ -148,6 +151,14 @@ class ExplorationBudget:
         """The last episode at about ``rows`` requests lost, and what it must
         earn first has been earned: the next one is due."""
         return rows.bit_length() in self._marks and self.affords_episode(False, rows)
+
+    @property
+    def gaining(self) -> bool:
+        """The open episode's priced speculating steps, at least ``trial_steps``
+        of them, took less than no speculation would have: measured, whatever
+        the models say."""
+        excess, steps = self._gain
+        return self._episode is not None and steps >= self._min_gain_steps and excess < 0
 
     @property
     def full(self) -> bool:
