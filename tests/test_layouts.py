@@ -193,3 +193,19 @@ def test_vllm_config_carries_the_description_in_native_keys(layouts, tmp_path):
     (out / "config.json").write_text(json.dumps(cfg))
     assert _spec_config(out).num_speculative_tokens == 5
     assert _spec_config(layouts["trainer"]).num_speculative_tokens == 7
+
+
+def test_kv_share_counts_the_drafter_s_layers_against_the_target_s():
+    """The tiny pair: 2 drafter layers and 4 target layers, alike per layer,
+    so the drafter takes a third of each token's KV; a config without
+    head_dim or KV heads reads them from the attention heads."""
+    from types import SimpleNamespace
+
+    from vllm_dspark.layouts import kv_share
+
+    draft, target = (SimpleNamespace(**json.loads((d / "config.json").read_text())) for d in (DRAFTER_DIR, TARGET_DIR))
+    assert (draft.num_hidden_layers, target.num_hidden_layers) == (2, 4)
+    assert kv_share(draft, target) == pytest.approx(1 / 3)
+    mha = SimpleNamespace(num_hidden_layers=1, num_attention_heads=8, hidden_size=512)  # 8 heads of 64
+    gqa = SimpleNamespace(num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2, head_dim=64)
+    assert kv_share(mha, gqa) == pytest.approx(512 / (512 + 3 * 128))

@@ -335,3 +335,17 @@ def validate_against_target(spec: DrafterSpec, *, path: str, target_vocab_size: 
             f"speculative_config.num_speculative_tokens={num_speculative_tokens} is out of "
             f"range for this drafter: use 1..{spec.block_size} (its block_size)."
         )
+
+
+def kv_share(draft_cfg, target_cfg) -> float:
+    """The drafter's share of each token's KV cache: its attention layers sit
+    in the target's KV group, so at the same KV bytes a DSpark engine holds
+    1 - share of the tokens an engine without speculation holds."""
+
+    def per_token(cfg) -> int:
+        heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        return cfg.num_hidden_layers * heads * head_dim
+
+    drafter = per_token(draft_cfg)
+    return drafter / (drafter + per_token(target_cfg))

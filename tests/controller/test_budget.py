@@ -53,6 +53,26 @@ def test_plain_steps_earn_and_speculating_steps_pay_their_measured_excess():
     assert b.draft_tokens(0.0) == int(TUNING.budget_cap_steps + TUNING.episode_tokens)  # no episode open: + a reserve
 
 
+def test_a_step_the_nospec_model_cannot_price_is_charged_its_drafter_time():
+    """A speculating step outside what the nospec model has seen (here a
+    prompt of 400 tokens, where it saw only single decodes) has no baseline
+    for the target's part; its drafter time (drafting path and context
+    writes), less what its accepted drafts saved, is charged, and never
+    counted as a gain."""
+    nospec = OnlineCostModel(tuning=TUNING.cost)
+    b = ExplorationBudget(nospec, TUNING)
+    for _ in range(2 * TUNING.budget_warmup_steps):
+        nospec.observe(1, 1, STEP)
+        b.settle(_plain())
+    assert nospec.covers(1, 1) and not nospec.covers(1, 400)
+    before = b.balance
+    b.settle(StepSample(1, 400, False, 0.030, 0.006, 0, plain=False, extra_seconds=0.004))
+    assert b.excess == pytest.approx(0.010) and b.balance == pytest.approx(before + TUNING.budget_share * 0.024 - 0.010)
+    # A mixed step whose accepted drafts saved more than its drafter took: no gain.
+    b.settle(StepSample(1, 404, True, 0.030, 0.001, 1, plain=False, draft_tokens=3, accepted=3))
+    assert b.excess == pytest.approx(0.010)
+
+
 def test_an_episode_ends_when_its_balance_is_spent_or_its_batch_is_unmeasured():
     b = _budget()
     b.settle(_plain())

@@ -248,8 +248,10 @@ def test_dormant_plain_steps_coast_between_the_rule_s_checks():
             if not coasted[-1]:
                 ctl.begin_step(v)
                 ctl.end_step(StepTiming())
-        ctl.snapshot()  # books the last steps coasted
-        return coasted, len(seen), len(rules)
+        shown = ctl.snapshot().plain_steps  # the steps coasted count before they are booked...
+        ctl.begin_step(_view(("a", "b", "d"), new=("d",)))  # ...by an admission
+        assert ctl.coasting.pending == 0
+        return coasted, len(seen), len(rules), shown
 
     ticks = [iter(range(10**6)), iter(range(0, 10**7, 7))]
     ctls = [DSparkController(DSparkKnobs(persist_cost_model=False), block_len=4, plain_steps=True,
@@ -265,12 +267,13 @@ def test_dormant_plain_steps_coast_between_the_rule_s_checks():
         runs.append(run(ctl, views))
         earned = sum(runs[-1][0]) * TUNING.budget_share * 5e-3  # at the pinned price, 5 ms a step
         assert ctl.budget.balance >= min(before + earned, TUNING.budget_cap_steps * 5e-3) > before
-        # Every step counted: the others at the next start, the last (coasting) at once.
-        assert ctl.snapshot().plain_steps == ctl.steps == len(views) and runs[-1][0][-1]
+        # Every step counted, the last (coasting) one too; the admission that booked them counts next.
+        assert ctl.snapshot().plain_steps == len(views) + 1 and ctl.steps == len(views) and runs[-1][0][-1]
+        assert runs[-1][3] == len(views)
     assert runs[0] == runs[1]
-    coasted, recorded, rules = runs[0]
+    coasted, recorded, rules, _ = runs[0]
     assert not coasted[0] and not coasted[n]  # the first step, and an admission
-    assert sum(coasted[:n]) == n - n // every - 1 and rules == len(views) - sum(coasted)  # the rule: 1 in every
+    assert sum(coasted[:n]) == n - n // every - 1 and rules == len(views) + 1 - sum(coasted)  # the rule: 1 in every
     assert recorded < rules  # the rule's steps, one in dormant_record_every of them
     awake = DSparkController(DSparkKnobs(persist_cost_model=False), block_len=4, plain_steps=True)
     _fund(awake)

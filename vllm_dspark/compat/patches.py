@@ -101,8 +101,23 @@ def _spec_post_init(original):
                 target_num_layers=target.num_hidden_layers,
                 num_speculative_tokens=self.num_speculative_tokens,
             )
+            _log_kv_share(self.draft_model_config.hf_config, target)
 
     return __post_init__
+
+
+def _log_kv_share(draft_cfg, target_cfg) -> None:
+    """Say what the drafter's KV costs in tokens, and what holds as many as
+    without speculation: under KV pressure that share is lost throughput."""
+    from vllm_dspark.layouts import kv_share
+    from vllm_dspark.log import get_logger
+
+    share = kv_share(draft_cfg, target_cfg)
+    get_logger("config").info(
+        "dspark: the drafter's %d attention layers take %.0f%% of each token's KV cache, so at the same KV "
+        "cache bytes this engine holds %.2fx the tokens of one without speculation; where the KV cache is "
+        "tight (vLLM preempts), give %.2fx the bytes (kv_cache_memory_bytes or --kv-cache-memory-bytes) to "
+        "hold as many.", draft_cfg.num_hidden_layers, 100 * share, 1 - share, 1 / (1 - share))
 
 
 def _vllm_post_init(original):

@@ -57,6 +57,11 @@ class Coasting:
         self._batch = (len(req_ids), tokens)
         return True
 
+    @property
+    def pending(self) -> int:
+        """Steps coasted and not booked yet."""
+        return self._coasted
+
     def book(self) -> int:
         """Book the steps coasted since the last call; how many."""
         n = self._coasted

@@ -216,10 +216,10 @@ class DSparkController:
             self.close()
 
     def snapshot(self) -> ControllerSnapshot:
-        """Everything /metrics, the log line and the benchmarks show."""
-        self._count(self.coasting.book())
-        return self.telemetry.snapshot(dormant=self.dormancy.dormant, acceptance=self.acceptance,
-                                       costs=self.costs, load=self._view.load, budget=self.budget)
+        """Everything /metrics, the log line and the benchmarks show (read-only:
+        /metrics reads it from another thread)."""
+        return self.telemetry.snapshot(dormant=self.dormancy.dormant, acceptance=self.acceptance, costs=self.costs,
+                                       load=self._view.load, budget=self.budget, coasted=self.coasting.pending)
 
     def close(self) -> None:
         self.costs.save()

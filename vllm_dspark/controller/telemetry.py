@@ -139,12 +139,13 @@ class Telemetry:
         self._next_log = (steps // self.log_every + 1) * self.log_every
         return True
 
-    def snapshot(self, *, dormant: bool, acceptance, costs, load, budget) -> ControllerSnapshot:
+    def snapshot(self, *, dormant: bool, acceptance, costs, load, budget, coasted: int = 0) -> ControllerSnapshot:
+        """``coasted``: plain steps coasted and not booked yet (coasting.py)."""
         t, last = self.totals, self.last
         return ControllerSnapshot(
             steps=t.choices, budget_tokens_total=t.budget_tokens, last_budget=last.budget,
-            length_hist=list(t.length_hist), depth_hist=list(t.depth_hist), skipped_steps=t.skipped_steps,
-            contextless_requests=t.contextless_requests, plain_steps=t.plain_steps, dormant=dormant,
+            length_hist=list(t.length_hist), depth_hist=list(t.depth_hist), skipped_steps=t.skipped_steps + coasted,
+            contextless_requests=t.contextless_requests, plain_steps=t.plain_steps + coasted, dormant=dormant,
             acceptance_ratio=acceptance.ratio(), verified_blocks=t.verified_blocks,
             accepted_tokens=t.accepted_tokens, predicted_step_s=last.predicted_s, measured_step_s=last.measured_s,
             cost_model_mape=costs.mape(), calibration=acceptance.state(),
