@@ -54,11 +54,11 @@ def test_plain_steps_earn_and_speculating_steps_pay_their_measured_excess():
 
 
 def test_a_step_the_nospec_model_cannot_price_is_charged_its_drafter_time():
-    """A speculating step outside what the nospec model has seen (here a
-    prompt of 400 tokens, where it saw only single decodes) has no baseline
-    for the target's part; its drafter time (drafting path and context
-    writes), less what its accepted drafts saved, is charged, and never
-    counted as a gain."""
+    """A speculating step with prompt tokens outside what the nospec model
+    has seen (here 400, where it saw only single decodes) has no baseline for
+    the target's part; its drafter time (drafting path and context writes),
+    less what its accepted drafts saved, is charged, and never counted as a
+    gain. A decode step at an unseen batch size stays unpriced."""
     nospec = OnlineCostModel(tuning=TUNING.cost)
     b = ExplorationBudget(nospec, TUNING)
     for _ in range(2 * TUNING.budget_warmup_steps):
@@ -70,6 +70,9 @@ def test_a_step_the_nospec_model_cannot_price_is_charged_its_drafter_time():
     assert b.excess == pytest.approx(0.010) and b.balance == pytest.approx(before + TUNING.budget_share * 0.024 - 0.010)
     # A mixed step whose accepted drafts saved more than its drafter took: no gain.
     b.settle(StepSample(1, 404, True, 0.030, 0.001, 1, plain=False, draft_tokens=3, accepted=3))
+    assert b.excess == pytest.approx(0.010)
+    # A decode step at an unseen batch size stays unpriced.
+    b.settle(StepSample(64, 64, False, 0.030, 0.010, 64, plain=False))
     assert b.excess == pytest.approx(0.010)
 
 

@@ -7,10 +7,10 @@ included), and what a step without speculation would have taken for the same
 output, from the ``nospec`` cost model, which learns from plain steps only:
 its prompt and decode tokens at this batch, plus every accepted draft token
 at a plain decode step's cost per token. The difference is the step's excess
-(negative where speculation won). A step the nospec model cannot price (see
-below) is charged from below: its drafter time less what its accepted
-drafts saved, never less than nothing (the prompt context of a wave of
-new requests is written there).
+(negative where speculation won). A step with prompt tokens the nospec
+model cannot price (see below) is charged from below: its drafter time less
+what its accepted drafts saved, never less than nothing (the prompt context
+of a wave of new requests is written there).
 
 Once ``budget_warmup_steps`` plain steps were seen, the balance starts at one
 episode's reserve (a fresh engine explores at once), earns ``share`` of every
@@ -87,10 +87,11 @@ class ExplorationBudget:
             return
         if not (self._token and decodes and nospec.covers(s.reqs, s.tokens - s.draft_tokens)):
             self._unpriced += 1
-            if self._token:
-                # No baseline for the target's part (a prompt-heavy step, an unseen batch), but the
-                # drafter's own time is speculation's, less what its accepted drafts saved: charged
-                # from below, never as a gain (context writes for a wave's prompts cost here).
+            if self._token and s.tokens - s.draft_tokens > s.reqs:
+                # A prompt-heavy step has no baseline for the target's part, but the drafter's own
+                # time (writing the prompts' context) is speculation's, less what its accepted drafts
+                # saved: charged from below, never as a gain. Decode steps at an unseen batch size
+                # stay unpriced (their first drafter calls carry one-time costs; plain steps measure).
                 excess = max(0.0, s.draft_seconds + s.extra_seconds - s.accepted * self._token)
                 self._charge(max(s.seconds + s.extra_seconds - excess, 0.0), excess, priced=False)
             return
