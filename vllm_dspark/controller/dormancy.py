@@ -9,20 +9,19 @@ budget can price speculation against steps without it (not with a pinned
 cost curve: the budget then stays out). While dormant, new
 requests get no drafter context (the context ledger), and where the runner
 can, steps run as vLLM's steps without speculation; the full rule runs every
-``dormant_recheck_every`` steps (those between coast: coasting.py). Whether dormancy ends is the controller's
-call (``heed``), from ``pays`` (``dormant_exit_checks`` checks in a row where
-drafting pays by more than the cost models' recent error times what drafting
-and verifying cost: ending it costs what no model sees, and a rule near
-break-even flips on noise) and the budget. An episode the models did not
+``dormant_recheck_every`` steps (those between coast: coasting.py). Whether
+dormancy ends is the controller's call (``heed``), from ``pays``
+(``dormant_exit_checks`` checks in a row where drafting pays by more than
+the cost models' recent error times what drafting and verifying cost:
+ending it costs what no model sees, and a rule near break-even flips on
+noise) and the budget. An episode the models did not
 call for (they knew too little, or the budget re-tests their verdict) is a
 trial: its first ``trial_steps`` steps with drafter context draft whatever
 the models say, and the models' rule does not end it (the budget does); a
 re-test that skipped on the verdict under test would measure nothing. Any
 episode stays on trial while the budget measures it gaining on no
 speculation (budget.py): where the models and the measurement disagree, the
-measurement decides (at one request the models' verdict was wrong both
-ways: a 1.7 ms loss predicted where episodes gained, and a 1.1 ms gain
-where they lost).
+measurement decides (docs/controller.md).
 """
 
 from collections import deque
