@@ -29,6 +29,7 @@ SYNTHETIC_REFUSED = (
     "(or set it to 'standard'); DSpark always verifies losslessly."
 )
 
+
 def refuse_synthetic(spec_config) -> None:
     """vLLM's synthetic verification has no place under method='dspark'."""
     if getattr(spec_config, "rejection_sample_method", None) == "synthetic":

@@ -115,8 +115,7 @@ class ExplorationBudget:
         requests and ``tokens`` tokens: priced by the nospec model, which
         every rank holds alike."""
         if self._step:
-            baseline = steps * self._nospec.params.predict(reqs, tokens)
-            self._pay_in(baseline, self._share * baseline)
+            self.earn(steps * self._nospec.params.predict(reqs, tokens))
 
     def _pay_in(self, baseline: float, amount: float) -> None:
         """A priced step: no speculation would have taken ``baseline``; the
