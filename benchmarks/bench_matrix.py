@@ -185,9 +185,17 @@ def plot(record: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def in_repo(path: str) -> str:
+    """A model path as the record keeps it: relative to the checkout where it lies inside one, so
+    runs from another worktree of the repository pool with these."""
+    full = Path(path).resolve()
+    return str(full.relative_to(REPO)) if full.is_relative_to(REPO) else str(full)
+
+
 def settings(args, workload: str) -> dict:
     """What a cell's runs must share to be pooled."""
-    base = {"arms": args.arms, "target": args.target, "drafter": args.drafter, "identity": args.identity_prompts}
+    base = {"arms": args.arms, "target": in_repo(args.target), "drafter": in_repo(args.drafter),
+            "identity": args.identity_prompts}
     if workload == "waves":
         return {**base, "concurrency": args.concurrency, "max_tokens": args.max_tokens, "rounds": args.rounds,
                 "pairs": args.pairs}
@@ -290,7 +298,8 @@ def main(argv=None) -> dict:
         cell = {"regime": regime, "dtype": dtype, "workload": workload, "unit": UNITS[workload], "settings": want,
                 "runs": record["cells"][key]["runs"] if have else []}
         for i in range(todo):
-            job = {**want, "workload": workload, "dtype": dtype, "run": have + i, "argv": ["bench_matrix.py", *argv],
+            job = {**want, "target": args.target, "drafter": args.drafter, "workload": workload, "dtype": dtype,
+                   "run": have + i, "argv": ["bench_matrix.py", *argv],
                    "serve_tokens": args.serve_tokens, "serve_prompts": args.serve_prompts,
                    "serve_rounds": args.serve_rounds, "concurrency": args.concurrency}
             if workload.startswith("poisson"):
