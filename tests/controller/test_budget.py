@@ -115,6 +115,32 @@ def test_an_episode_ends_when_its_balance_is_spent_or_its_batch_is_unmeasured():
     assert u.spent(0.0)
 
 
+def test_no_episode_starts_at_a_batch_size_the_nospec_model_has_not_measured():
+    """Plain steps at 4 requests (a warm-up), then at 1: an episode there
+    would go unpriced and end having measured nothing, marking the batch size
+    lost (issue 19's matrix: a 16-step episode, then seconds plain). None
+    starts until plain steps at 1 request were measured, and meanwhile every
+    dormant plain step there is recorded (elsewhere one in record_every)."""
+    from vllm_dspark.controller.dormancy import Dormancy
+
+    nospec = OnlineCostModel(tuning=TUNING.cost)
+    b = ExplorationBudget(nospec, TUNING)
+    for _ in range(2 * TUNING.budget_warmup_steps):
+        nospec.observe(4, 4, 2 * STEP)
+        b.settle(StepSample(4, 4, False, 2 * STEP, 0.0, 0, plain=True))
+    assert b.affords_episode(False, 4) and not b.affords_episode(True, 1)
+    d = Dormancy(TUNING, 32, b)
+    assert d.dormant and not any(d.unrecorded(0, False, measured=False) for _ in range(8))
+    every = TUNING.dormant_record_every
+    assert sum(d.unrecorded(0, False, measured=True) for _ in range(4 * every)) == 3 * every
+    steps = 0
+    while not b.affords_episode(False, 1):
+        nospec.observe(1, 1, STEP)
+        b.settle(_plain())
+        steps += 1
+    assert steps <= TUNING.budget_warmup_steps
+
+
 def _lose_episode(b: ExplorationBudget) -> None:
     b.open(False, 1)
     while not b.spent(0.0):
@@ -244,6 +270,20 @@ def test_an_episode_measured_gaining_stays_on_trial_whatever_the_models_say():
     b.close()
     b.open(False, 1)
     assert not b.gaining  # a new episode measures afresh
+
+
+def test_a_gaining_episode_keeps_its_explore_steps():
+    """A measured gain drafts against the models' verdict, but keeps the
+    explore steps that measure the plain step it is judged against; an
+    exploring episode's first steps skip none."""
+    from vllm_dspark.controller.gate import DraftGate
+    from vllm_dspark.controller.plan import NO_STEP
+
+    steps, every = 4 * TUNING.probe_every, TUNING.probe_every  # the plain model untrusted: explore at the probes' pace
+    for kind, skips in (({"gaining": True}, steps // every), ({"trial": True}, 0)):
+        gate, costs = DraftGate(7, TUNING, None), _costs()
+        drafted = [gate.drafts(-1.0, STEP, 1, NO_STEP, costs, **kind) for _ in range(steps)]
+        assert drafted.count(False) == skips, kind
 
 
 def _costs():

@@ -12,8 +12,10 @@ model cannot price (see below) is charged from below: its drafter time less
 what its accepted drafts saved, never less than nothing (the prompt context
 of a wave of new requests is written there).
 
-Once ``budget_warmup_steps`` plain steps were seen, the balance starts at one
-episode's reserve (a fresh engine explores at once), earns ``share`` of every
+Once ``budget_warmup_steps`` plain steps were seen, the first decode step
+priced at each batch size (a power of two) lifts the balance to one episode's
+reserve there (a fresh engine, or one under a new load, explores at once:
+a reserve is in decoded tokens, dearer at fewer requests), earns ``share`` of every
 step's no-speculation time and pays every speculating step's excess, up to
 ``cap_steps`` plain steps' worth (winnings must not license a long loss after
 the load changes). An episode of speculation starts while the balance holds
@@ -34,7 +36,8 @@ engine gives up about ``share`` of its time, plus a reserve and a credit per
 batch size and one step's drafting, plus the nospec model's error, whatever
 the other models believe. A speculating step at a batch size
 or token count the nospec model has not seen lately is not priced; enough of
-them in a row end the episode, so plain steps measure it.
+them in a row end the episode, so plain steps measure it; none starts at a
+batch size the nospec model has not measured.
 """
 
 import math
@@ -63,6 +66,7 @@ class ExplorationBudget:
         self._gain = (0.0, 0)  # the open episode's excess so far, over how many priced speculating steps
         # Per batch-size class after a losing episode: (the balance it must regain, the losses in a row there).
         self._marks: dict[int, tuple[float, int]] = {}
+        self._granted: set[int] = set()  # batch-size classes whose first reserve was granted
 
     @property
     def ready(self) -> bool:
@@ -78,9 +82,10 @@ class ExplorationBudget:
         decodes = nospec.covers(s.reqs, s.reqs)
         if decodes:  # the price of a decoded token at this batch
             self._step = params.predict(s.reqs, s.reqs)
-            if not self._token:
-                self.balance = self._reserve * self._step / s.reqs
             self._token = self._step / s.reqs
+            if s.reqs.bit_length() not in self._granted:  # a batch size's first reserve is granted
+                self._granted.add(s.reqs.bit_length())
+                self.balance = max(self.balance, self._reserve * self._token)
         if s.plain:
             self._unpriced = 0
             self.earn(s.seconds)
@@ -152,12 +157,15 @@ class ExplorationBudget:
         self._episode = None
 
     def affords_episode(self, pays: bool, rows: int) -> bool:
-        """Can an episode start at ``rows`` requests? Where the models say
-        drafting pays on any balance not in debt, else on the reserve;
-        either way only once what the last episode at about this batch size
-        lost has been earned back."""
+        """Can an episode start at ``rows`` requests? Only where the nospec
+        model has measured decode steps of about that batch lately (else its
+        steps go unpriced, and the episode ends having measured nothing); where
+        the models say drafting pays on any balance not in debt, else on the
+        reserve; either way only once what the last episode at about this
+        batch size lost has been earned back."""
         need = 0.0 if pays else self._reserve * self._token
-        return self._token > 0 and self.balance >= max(need, self._marks.get(rows.bit_length(), (need,))[0])
+        return (self._token > 0 and self._nospec.covers(rows, rows)
+                and self.balance >= max(need, self._marks.get(rows.bit_length(), (need,))[0]))
 
     def retest_due(self, rows: int) -> bool:
         """The last episode at about ``rows`` requests lost, and what it must

@@ -134,7 +134,8 @@ class DSparkController:
         if busy is None or view.num_reqs == 0:
             return
         recorded = not (self.telemetry.trace is None and self.budget.ready
-                        and self.dormancy.unrecorded(timing.drafted, view.verifies))
+                        and self.dormancy.unrecorded(timing.drafted, view.verifies,
+                                                     self.costs.nospec.covers(view.num_reqs, view.num_reqs)))
         walked = timing.drafted and timing.walk_seconds > 0
         self.clock.hold(StepSample(view.num_reqs, view.tokens, view.verifies, busy - timing.excluded_seconds,
                                    timing.draft_seconds - timing.excluded_seconds, timing.drafted,
@@ -174,7 +175,8 @@ class DSparkController:
             if counts[-1] < rows:
                 verdict = assessment.best(counts)
         self.depth = verdict.depth
-        if gate.drafts(verdict.net, assessment.plain, contexts, self._view, self.costs, dormancy.on_trial):
+        if gate.drafts(verdict.net, assessment.plain, contexts, self._view, self.costs, dormancy.exploring,
+                       dormancy.gaining):
             return self._draft()
         return self._skip(counted=contexts > 0)  # for want of context: no verdict on drafting
 

@@ -21,7 +21,8 @@ the models say, and the models' rule does not end it (the budget does); a
 re-test that skipped on the verdict under test would measure nothing. Any
 episode stays on trial while the budget measures it gaining on no
 speculation (budget.py): where the models and the measurement disagree, the
-measurement decides (docs/controller.md).
+measurement decides (docs/controller.md), with the gate's explore steps still
+keeping the plain step measured.
 """
 
 from collections import deque
@@ -112,11 +113,20 @@ class Dormancy:
         self.dormant, self._paying, self._cheap, self._trial = True, 0, 0, 0
 
     @property
+    def exploring(self) -> bool:
+        """An exploring episode's first ``trial_steps`` steps with context."""
+        return not self.dormant and self._trial > 0
+
+    @property
+    def gaining(self) -> bool:
+        """An episode is open that the budget measures gaining on no speculation."""
+        return not self.dormant and self.budget is not None and self.budget.gaining
+
+    @property
     def on_trial(self) -> bool:
-        """An episode is open and drafts whatever the models say: its first
-        ``trial_steps`` (an exploring one), or while the budget measures it
-        gaining on no speculation."""
-        return not self.dormant and (self._trial > 0 or (self.budget is not None and self.budget.gaining))
+        """An episode is open and drafts whatever the models say: exploring,
+        or gaining (where the models' rule cannot end it)."""
+        return self.exploring or self.gaining
 
     def remember(self, skipped: bool) -> None:
         """This step did (not) skip drafting."""
@@ -128,10 +138,12 @@ class Dormancy:
         if not skipped and self._trial:
             self._trial -= 1
 
-    def unrecorded(self, drafted: int, verifies: bool) -> bool:
+    def unrecorded(self, drafted: int, verifies: bool, measured: bool) -> bool:
         """Leave this step out of the cost models? While dormant, plain steps
-        are alike: one in ``dormant_record_every`` of those that do not coast is recorded."""
-        if not self.dormant or drafted or verifies:
+        are alike: one in ``dormant_record_every`` of those that do not coast
+        is recorded, and every one at a batch the nospec model has not
+        ``measured`` (no episode starts there until it has: budget.py)."""
+        if not self.dormant or drafted or verifies or not measured:
             return False
         self._plain += 1
         return self._plain % self._record_every != 0

@@ -84,11 +84,14 @@ class DraftGate:
         self._skips_in_row += steps
 
     def drafts(self, net: float, plain: float, contexts: int, view: StepView, costs: StepCosts,
-               trial: bool = False) -> bool:
+               trial: bool = False, gaining: bool = False) -> bool:
         """Draft this step, given what drafting would save (``net``), a plain
         step's cost and how many requests have drafter context? On ``trial``
-        (an exploring episode's first steps, dormancy.py) whatever ``net`` says."""
-        pays = net > 0
+        (an exploring episode's first steps, dormancy.py) whatever ``net``
+        says; where the budget measures the episode ``gaining``, as if it paid
+        (the explore steps still run: a measured gain holds only while the
+        plain step it is judged against stays measured)."""
+        pays = net > 0 or gaining
         self._since_skip += 1
         # Drafting is judged against the plain step, and no other model can
         # stand in for it: until it is trusted, plain steps come at the probes' pace.
