@@ -141,6 +141,30 @@ def test_no_episode_starts_at_a_batch_size_the_nospec_model_has_not_measured():
     assert steps <= TUNING.budget_warmup_steps
 
 
+def test_decode_steps_are_priced_by_plain_decode_steps_alone():
+    """The nospec model fits prompt and decode steps with one line in B, and
+    prompt steps are not linear (attention over the prompt, here quadratic);
+    their pull moved its price of a decode step (14% here; 25-30% too dear at
+    4 requests in the matrix, where speculation losing 18% looked like a
+    gain). The budget prices decode steps, and decoded tokens, from the
+    model of plain decode steps alone."""
+    from vllm_dspark.controller.costs import StepCosts
+
+    costs, reqs, step = StepCosts(7, TUNING), 4, 0.0064
+    for wave in range(12):
+        prompt = reqs * (30 + 10 * (wave % 6))
+        costs.observe(StepSample(reqs, prompt, False, 0.006 + 1e-6 * prompt ** 2, 0.0, 0, plain=True))
+        for _ in range(4):
+            costs.observe(StepSample(reqs, reqs, False, step, 0.0, 0, plain=True))
+    assert abs(costs.nospec.params.predict(reqs, reqs) / step - 1) > 0.1
+    assert costs.decode.params.predict(reqs, reqs) == pytest.approx(step, rel=0.02)
+    b = ExplorationBudget(costs.nospec, TUNING, costs.decode)
+    b.settle(StepSample(reqs, reqs, False, step, 0.0, 0, plain=True))
+    # 4 requests + 8 drafts, 4 accepted: no speculation would have taken 2 decode steps.
+    b.settle(StepSample(reqs, 12, True, 1.5 * step, 0.3 * step, 4, plain=False, draft_tokens=8, accepted=4))
+    assert b.excess == pytest.approx(1.5 * step - 2 * costs.decode.params.predict(reqs, reqs))
+
+
 def _lose_episode(b: ExplorationBudget) -> None:
     b.open(False, 1)
     while not b.spent(0.0):

@@ -331,10 +331,11 @@ def test_admitted_levels_with_caps_match_the_op(caps, max_tokens):
 
 
 def _fund(ctl, plain_steps=1, seconds=5e-3):
-    """The budget can price steps (nospec pinned at ``seconds`` a step) and
-    has earned ``plain_steps`` plain steps' share over its first reserve
-    (one episode's: below the cap)."""
-    ctl.costs.nospec.pin(CostParams(seconds, 0.0, 0.0), "test")
+    """The budget can price steps (the nospec models pinned at ``seconds`` a
+    step) and has earned ``plain_steps`` plain steps' share over its first
+    reserve (one episode's: below the cap)."""
+    for model in (ctl.costs.nospec, ctl.costs.decode):
+        model.pin(CostParams(seconds, 0.0, 0.0), "test")
     for _ in range(plain_steps):
         ctl.budget.settle(StepSample(1, 1, False, seconds, 0.0, 0, plain=True))
 

@@ -4,9 +4,10 @@ measured, and how much exploring it may still spend.
 The gate decides from models; this checks the outcome. Every recorded step
 is priced twice: what it took (queued-context writes and the gap after it
 included), and what a step without speculation would have taken for the same
-output, from the ``nospec`` cost model, which learns from plain steps only:
-its prompt and decode tokens at this batch, plus every accepted draft token
-at a plain decode step's cost per token. The difference is the step's excess
+output, from the cost models of plain steps (costs.py): its prompt and decode
+tokens at this batch (``decode``, of decode steps alone, for a step without
+prompt tokens; ``nospec`` else), plus every accepted draft token at a plain
+decode step's cost per token. The difference is the step's excess
 (negative where speculation won). A step with prompt tokens the nospec
 model cannot price (see below) is charged from below: its drafter time less
 what its accepted drafts saved, never less than nothing (the prompt context
@@ -48,8 +49,10 @@ from vllm_dspark.controller.tuning import ControllerTuning
 
 
 class ExplorationBudget:
-    def __init__(self, nospec: OnlineCostModel, tuning: ControllerTuning):
-        self._nospec = nospec
+    def __init__(self, nospec: OnlineCostModel, tuning: ControllerTuning, decode: OnlineCostModel | None = None):
+        """``decode``: the nospec model of decode steps alone (costs.py), which
+        prices decoded tokens and decode steps (default: ``nospec``)."""
+        self._nospec, self._decode = nospec, decode or nospec
         t = tuning
         self._share, self._cap, self._reserve = t.budget_share, t.budget_cap_steps, t.episode_tokens
         self._warmup, self._max_unpriced = t.budget_warmup_steps, t.budget_unpriced_steps
@@ -71,17 +74,16 @@ class ExplorationBudget:
     @property
     def ready(self) -> bool:
         """Can steps be priced (the nospec model has seen enough plain steps)?"""
-        return self._nospec.pinned or self._nospec.observations >= self._warmup
+        return self._decode.pinned or self._decode.observations >= self._warmup
 
     def settle(self, s: StepSample) -> None:
         """One recorded step (``s.plain``: it ran without speculation)."""
         if not self.ready:
             return
         nospec = self._nospec
-        params = nospec.params
-        decodes = nospec.covers(s.reqs, s.reqs)
+        decodes = self._decode.covers(s.reqs, s.reqs)
         if decodes:  # the price of a decoded token at this batch
-            self._step = params.predict(s.reqs, s.reqs)
+            self._step = self._decode.params.predict(s.reqs, s.reqs)
             self._token = self._step / s.reqs
             if s.reqs.bit_length() not in self._granted:  # a batch size's first reserve is granted
                 self._granted.add(s.reqs.bit_length())
@@ -90,9 +92,10 @@ class ExplorationBudget:
             self._unpriced = 0
             self.earn(s.seconds)
             return
-        if not (self._token and decodes and nospec.covers(s.reqs, s.tokens - s.draft_tokens)):
+        prompts = s.tokens - s.draft_tokens > s.reqs
+        if not (self._token and decodes and (not prompts or nospec.covers(s.reqs, s.tokens - s.draft_tokens))):
             self._unpriced += 1
-            if self._token and s.tokens - s.draft_tokens > s.reqs:
+            if self._token and prompts:
                 # A prompt-heavy step has no baseline for the target's part, but the drafter's own
                 # time (writing the prompts' context) is speculation's, less what its accepted drafts
                 # saved: charged from below, never as a gain. Decode steps at an unseen batch size
@@ -101,7 +104,8 @@ class ExplorationBudget:
                 self._charge(max(s.seconds + s.extra_seconds - excess, 0.0), excess, priced=False)
             return
         self._unpriced = 0
-        baseline = params.predict(s.reqs, s.tokens - s.draft_tokens) + s.accepted * self._token
+        baseline = (nospec.params.predict(s.reqs, s.tokens - s.draft_tokens) if prompts else self._step)
+        baseline += s.accepted * self._token
         self._charge(baseline, s.seconds + s.extra_seconds - baseline)
 
     def _charge(self, baseline: float, excess: float, priced: bool = True) -> None:
@@ -117,10 +121,10 @@ class ExplorationBudget:
 
     def earn_alike(self, reqs: int, tokens: int, steps: int) -> None:
         """Dormant plain steps left untimed (coasting.py), each of ``reqs``
-        requests and ``tokens`` tokens: priced by the nospec model, which
+        requests and ``tokens`` tokens: priced by the nospec models, which
         every rank holds alike."""
         if self._step:
-            self.earn(steps * self._nospec.params.predict(reqs, tokens))
+            self.earn(steps * (self._decode if tokens == reqs else self._nospec).params.predict(reqs, tokens))
 
     def _pay_in(self, baseline: float, amount: float) -> None:
         """A priced step: no speculation would have taken ``baseline``; the
@@ -164,7 +168,7 @@ class ExplorationBudget:
         reserve; either way only once what the last episode at about this
         batch size lost has been earned back."""
         need = 0.0 if pays else self._reserve * self._token
-        return (self._token > 0 and self._nospec.covers(rows, rows)
+        return (self._token > 0 and self._decode.covers(rows, rows)
                 and self.balance >= max(need, self._marks.get(rows.bit_length(), (need,))[0]))
 
     def retest_due(self, rows: int) -> bool:

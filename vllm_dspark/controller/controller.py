@@ -54,7 +54,7 @@ class DSparkController:
             self.costs.pin(knobs.pinned_curve(), knobs.cost_curve)
         self.acceptance = acceptance or AcceptanceModel(block_len, tuning, calibrate=knobs.calibration)
         self.gate = DraftGate(block_len, tuning, knobs.slo_tokens_per_s)
-        self.budget = ExplorationBudget(self.costs.nospec, tuning)
+        self.budget = ExplorationBudget(self.costs.nospec, tuning, self.costs.decode)
         # A pinned cost curve decides alone: no measured guard over it.
         self.dormancy = Dormancy(tuning, knobs.dormant_after_steps if self.policy.gates_drafting else 0,
                                  None if knobs.cost_curve else self.budget)
@@ -135,7 +135,7 @@ class DSparkController:
             return
         recorded = not (self.telemetry.trace is None and self.budget.ready
                         and self.dormancy.unrecorded(timing.drafted, view.verifies,
-                                                     self.costs.nospec.covers(view.num_reqs, view.num_reqs)))
+                                                     self.costs.decode.covers(view.num_reqs, view.num_reqs)))
         walked = timing.drafted and timing.walk_seconds > 0
         self.clock.hold(StepSample(view.num_reqs, view.tokens, view.verifies, busy - timing.excluded_seconds,
                                    timing.draft_seconds - timing.excluded_seconds, timing.drafted,

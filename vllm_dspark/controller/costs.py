@@ -1,4 +1,4 @@
-"""What a step will cost: four online step-time models and the bridge between two of them.
+"""What a step will cost: the online step-time models and the bridge between two of them.
 
   verify  T_spec(R, B)   a target step that verifies drafts (R requests, B tokens)
   plain   T_plain(R, B)  a target step that does not
@@ -6,6 +6,9 @@
   walk    T_walk(R)      one position of the Markov walk over R blocks
   nospec  T_none(R, B)   a step run without speculation (plain steps only: what
                          the exploration budget measures speculation against)
+  decode  T_none(R, R)   the same, decode steps only (B = R): the budget's price
+                         of a decoded token. Fitted beside prompt steps, a line
+                         in B put a 4-request decode step 25-30% above its time
 
 The engine runs mostly one kind of target step at a time, so when the load
 moves, the model of the other kind extrapolates in R from another batch size
@@ -42,8 +45,8 @@ class StepCosts:
         def model(kind: str) -> OnlineCostModel:
             return OnlineCostModel(f"{fingerprint}-{kind}" if fingerprint else "", cache_dir, tuning.cost)
 
-        self.verify, self.plain, self.draft, self.walk, self.nospec = (
-            model(k) for k in ("spec", "plain", "draft", "walk", "nospec"))
+        self.verify, self.plain, self.draft, self.walk, self.nospec, self.decode = (
+            model(k) for k in ("spec", "plain", "draft", "walk", "nospec", "decode"))
         self._price_walk = price_walk  # the adaptive_depth knob
         self._overhead: float | None = None  # verify step minus plain step, same R and B
         self._errors: deque[float] = deque(maxlen=tuning.cost.error_window)  # whole-step prediction error
@@ -112,6 +115,8 @@ class StepCosts:
         target.observe(s.reqs, s.tokens, target_seconds)
         if s.plain:
             self.nospec.observe(s.reqs, s.tokens, s.seconds)
+            if s.tokens == s.reqs:
+                self.decode.observe(s.reqs, s.reqs, s.seconds)
         self._errors.append(abs(predicted - s.seconds) / s.seconds)
         return predicted
 
@@ -126,7 +131,7 @@ class StepCosts:
     def params_json(self) -> dict:
         return {"cost_params": vars(self.verify.params), "plain_cost_params": vars(self.plain.params),
                 "draft_cost_params": vars(self.draft.params), "walk_cost_params": vars(self.walk.params),
-                "nospec_cost_params": vars(self.nospec.params)}
+                "nospec_cost_params": vars(self.nospec.params), "decode_cost_params": vars(self.decode.params)}
 
     def trace_json(self) -> dict:
         """The fits a trace records; its drafting cost is a whole K-deep
@@ -137,5 +142,5 @@ class StepCosts:
         return {"spec": vars(self.verify.params), "plain": vars(self.plain.params), "draft": vars(par)}
 
     def save(self) -> None:
-        for model in (self.verify, self.plain, self.draft, self.walk, self.nospec):
+        for model in (self.verify, self.plain, self.draft, self.walk, self.nospec, self.decode):
             model.save()

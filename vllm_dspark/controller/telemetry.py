@@ -61,6 +61,7 @@ class ControllerSnapshot:
     draft_cost_params: dict | None = None
     walk_cost_params: dict | None = None
     nospec_cost_params: dict | None = None  # steps without speculation (the exploration budget's baseline)
+    decode_cost_params: dict | None = None  # the same, decode steps only (its price of a decoded token)
     speculation_excess: float | None = None  # measured time speculation cost over none, share of the latter
     budget_balance_s: float = 0.0  # what exploring may still spend
     calibration: dict | None = None  # per mode: alpha, beta, ECE raw and calibrated per position
