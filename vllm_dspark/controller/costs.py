@@ -8,7 +8,7 @@
                          the exploration budget measures speculation against)
   decode  T_none(R, R)   the same, decode steps only (B = R): the budget's price
                          of a decoded token. Fitted beside prompt steps, a line
-                         in B put a 4-request decode step 25-30% above its time
+                         in B put a 4-request decode step 25-30% above its time.
 
 The engine runs mostly one kind of target step at a time, so when the load
 moves, the model of the other kind extrapolates in R from another batch size
