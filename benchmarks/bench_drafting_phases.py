@@ -5,7 +5,7 @@
     python benchmarks/bench_drafting_phases.py --concurrency 4
 
 The engines run in this process, as in bench_step_phases.py (whose timers
-this reuses: wall clock and this thread's CPU time per step), awake, with
+this shares: wall clock and this thread's CPU time per step), awake, with
 fresh cost caches; three waves each first, so adaptive has learned to
 draft. Rounds alternate the engines; each phase reports its median round in
 thread CPU µs per engine step. The controller's rows are what a policy's
@@ -18,36 +18,16 @@ import os
 import statistics
 import sys
 import time
-from collections import defaultdict
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from bench_step_phases import RUNNER, SCHEDULER, _timed  # noqa: E402
+from bench_step_phases import instrument  # noqa: E402
 
 ARMS = {"nospec": None, "full K=3": (3, "full"), "adaptive K=7": (7, "adaptive"), "full K=7": (7, "full")}
 CONTROLLER = ("coasts", "begin_step", "plan", "choose", "observe", "end_step")
-DRAFTER = ("propose", "_sample_block", "flush_context")
-
-
-def instrument(llm) -> dict:
-    core = llm.llm_engine.engine_core.engine_core
-    runner = core.model_executor.driver_worker.worker.model_runner
-    acc = defaultdict(lambda: [0.0, 0.0, 0])  # wall s, CPU s, calls
-    for name in RUNNER + ("propose_draft_token_ids",):
-        _timed(runner, name, acc, "runner")
-    for name in SCHEDULER:
-        _timed(core.scheduler, name, acc, "scheduler")
-    _timed(core, "step_fn", acc, "engine_core")
-    if hasattr(runner, "dspark"):
-        for name in CONTROLLER:
-            _timed(runner.dspark, name, acc, "controller")
-        for name in DRAFTER:
-            _timed(runner.drafter, name, acc, "drafter")
-        _timed(runner.rejection_sampler, "forward", acc, "rejection_sampler")
-    return acc
 
 
 def plot(record: dict, path: Path) -> None:
@@ -100,7 +80,7 @@ def main(argv=None) -> dict:
             knobs = {"persist_cost_model": False, "policy": arm[1]}
         engines[name] = start_engine(str(REPO / TINY_TARGET), max(4, c), spec=spec, knobs=knobs,
                                      distributed_executor_backend="uni")
-    accs = {name: instrument(llm) for name, llm in engines.items()}
+    accs = {name: instrument(llm, CONTROLLER, drafting=True) for name, llm in engines.items()}
     for llm in engines.values():
         for _ in range(3):  # adaptive learns to draft
             measure_offline(llm, prompts, c, args.max_tokens)

@@ -37,6 +37,7 @@ RUNNER = ("execute_model", "sample_tokens", "_update_states", "_prepare_inputs",
           "_model_forward", "_sample", "_bookkeeping_sync")
 CONTROLLER = ("coasts", "begin_step", "plan", "end_step")
 SCHEDULER = ("schedule", "update_from_output")
+DRAFTER = ("propose", "_sample_block", "flush_context")
 
 
 def _timed(obj, name: str, acc: dict, tag: str) -> None:
@@ -58,19 +59,25 @@ def _timed(obj, name: str, acc: dict, tag: str) -> None:
     setattr(obj, name, timed)
 
 
-def instrument(llm) -> dict:
+def instrument(llm, controller: tuple[str, ...] = CONTROLLER, drafting: bool = False) -> dict:
+    """Time vLLM's step phases and the ``controller`` hooks of an in-process
+    engine; with ``drafting``, the drafting path too (bench_drafting_phases.py)."""
     core = llm.llm_engine.engine_core.engine_core
     runner = core.model_executor.driver_worker.worker.model_runner
     acc = defaultdict(lambda: [0.0, 0.0, 0])  # wall s, CPU s, calls
-    for name in RUNNER:
+    for name in RUNNER + (("propose_draft_token_ids",) if drafting else ()):
         _timed(runner, name, acc, "runner")
     for name in SCHEDULER:
         _timed(core.scheduler, name, acc, "scheduler")
     _timed(core.scheduler.kv_cache_manager, "allocate_slots", acc, "kv_cache_manager")
     _timed(core, "step_fn", acc, "engine_core")
     if hasattr(runner, "dspark"):
-        for name in CONTROLLER:
+        for name in controller:
             _timed(runner.dspark, name, acc, "controller")
+        if drafting:
+            for name in DRAFTER:
+                _timed(runner.drafter, name, acc, "drafter")
+            _timed(runner.rejection_sampler, "forward", acc, "rejection_sampler")
     return acc
 
 

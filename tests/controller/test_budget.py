@@ -130,9 +130,9 @@ def test_no_episode_starts_at_a_batch_size_the_nospec_model_has_not_measured():
         b.settle(StepSample(4, 4, False, 2 * STEP, 0.0, 0, plain=True))
     assert b.affords_episode(False, 4) and not b.affords_episode(True, 1)
     d = Dormancy(TUNING, 32, b)
-    assert d.dormant and not any(d.unrecorded(0, False, measured=False) for _ in range(8))
+    assert d.dormant and not any(d.unrecorded(0, False, measured=lambda: False) for _ in range(8))
     every = TUNING.dormant_record_every
-    assert sum(d.unrecorded(0, False, measured=True) for _ in range(4 * every)) == 3 * every
+    assert sum(d.unrecorded(0, False, measured=lambda: True) for _ in range(4 * every)) == 3 * every
     steps = 0
     while not b.affords_episode(False, 1):
         nospec.observe(1, 1, STEP)

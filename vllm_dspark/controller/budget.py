@@ -168,8 +168,12 @@ class ExplorationBudget:
         reserve; either way only once what the last episode at about this
         batch size lost has been earned back."""
         need = 0.0 if pays else self._reserve * self._token
-        return (self._token > 0 and self._decode.covers(rows, rows)
+        return (self._token > 0 and self.measured(rows)
                 and self.balance >= max(need, self._marks.get(rows.bit_length(), (need,))[0]))
+
+    def measured(self, rows: int) -> bool:
+        """Have plain decode steps of about ``rows`` requests been measured lately?"""
+        return self._decode.covers(rows, rows)
 
     def retest_due(self, rows: int) -> bool:
         """The last episode at about ``rows`` requests lost, and what it must

@@ -135,7 +135,7 @@ class DSparkController:
             return
         recorded = not (self.telemetry.trace is None and self.budget.ready
                         and self.dormancy.unrecorded(timing.drafted, view.verifies,
-                                                     self.costs.decode.covers(view.num_reqs, view.num_reqs)))
+                                                     lambda: self.budget.measured(view.num_reqs)))
         walked = timing.drafted and timing.walk_seconds > 0
         self.clock.hold(StepSample(view.num_reqs, view.tokens, view.verifies, busy - timing.excluded_seconds,
                                    timing.draft_seconds - timing.excluded_seconds, timing.drafted,

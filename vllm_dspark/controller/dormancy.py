@@ -26,6 +26,7 @@ keeping the plain step measured.
 """
 
 from collections import deque
+from collections.abc import Callable
 
 from vllm_dspark.controller.budget import ExplorationBudget
 from vllm_dspark.controller.tuning import ControllerTuning
@@ -138,12 +139,13 @@ class Dormancy:
         if not skipped and self._trial:
             self._trial -= 1
 
-    def unrecorded(self, drafted: int, verifies: bool, measured: bool) -> bool:
+    def unrecorded(self, drafted: int, verifies: bool, measured: Callable[[], bool]) -> bool:
         """Leave this step out of the cost models? While dormant, plain steps
         are alike: one in ``dormant_record_every`` of those that do not coast
         is recorded, and every one at a batch the nospec model has not
-        ``measured`` (no episode starts there until it has: budget.py)."""
-        if not self.dormant or drafted or verifies or not measured:
+        ``measured()`` (asked of dormant plain steps only; no episode starts
+        there until it has: budget.py)."""
+        if not self.dormant or drafted or verifies or not measured():
             return False
         self._plain += 1
         return self._plain % self._record_every != 0
