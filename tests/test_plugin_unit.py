@@ -1,5 +1,6 @@
 """The plugin's gates, without starting an engine."""
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -298,11 +299,11 @@ def test_request_caps_count_this_step_s_accepted_tokens():
     assert requests.caps() == [1, 3] and requests.caps() is requests.caps()  # computed once
 
 
-def test_dormant_steps_run_without_speculation_and_leave_no_context():
-    """While dormant, a step runs as vLLM's runner runs without speculation
-    (no spec config, no aux outputs, the target's aux layers cleared); every
-    request in it loses drafter context; the skip rule still runs; and the
-    first step after dormancy restores all three."""
+@contextlib.contextmanager
+def _mock_runner():
+    """A DSpark runner over a stub of vLLM's (its execute_model records the
+    spec config, aux outputs and aux layers each step ran with), a fresh
+    controller, and ``step(...)``: one scheduler step through both hooks."""
     from types import SimpleNamespace
     from unittest import mock
 
@@ -333,25 +334,39 @@ def test_dormant_steps_run_without_speculation_and_leave_no_context():
                                (self.speculative_config, self.use_aux_hidden_state_outputs, self.model.layers))), \
          mock.patch.object(GPUModelRunner, "sample_tokens", lambda self, g: None):
         runner = object.__new__(Runner)
-        spec = object()
+        runner.spec = spec = object()
         runner.speculative_config, runner.use_aux_hidden_state_outputs, runner.model = spec, True, Model()
         config = SimpleNamespace(model_config=SimpleNamespace(is_hybrid=False), compilation_config=SimpleNamespace(
             cudagraph_mode=CUDAGraphMode.NONE, mode=CompilationMode.NONE))
         runner._plain_switch = PlainStepSwitch(runner, config)
         runner._dspark_timing, runner._step_verifies, runner._coasting = NO_DRAFT, False, False
+        runner._coast_left, runner._coast_batch, runner._coasted_fast = 0, (0, 0), 0
         runner.cache_config = SimpleNamespace(enable_prefix_caching=False, block_size=16)
-        runner.dspark = ctl = DSparkController(DSparkKnobs(persist_cost_model=False), block_len=4, plain_steps=True)
-        rules = []
-        skips = ctl._skips
-        ctl._skips = lambda rows, requests, *due: rules.append((rows, requests)) or skips(rows, requests, *due)
+        runner.dspark = DSparkController(DSparkKnobs(persist_cost_model=False), block_len=4, plain_steps=True)
+        runner.ran = ran
 
-        def step(new=(), finished=(), spec_tokens=None):
+        def step(new=(), finished=(), spec_tokens=None, reqs=("a", "b"), resumed=()):
             so = SimpleNamespace(scheduled_new_reqs=[SimpleNamespace(req_id=r) for r in new],
                                  finished_req_ids=set(finished), scheduled_spec_decode_tokens=spec_tokens or {},
-                                 num_scheduled_tokens={"a": 1, "b": 1}, total_num_scheduled_tokens=2)
+                                 num_scheduled_tokens=dict.fromkeys(reqs, 1), total_num_scheduled_tokens=len(reqs),
+                                 scheduled_cached_reqs=SimpleNamespace(resumed_req_ids=set(resumed)))
             runner.execute_model(so)
             runner.sample_tokens(None)
 
+        runner.step = step
+        yield runner
+
+
+def test_dormant_steps_run_without_speculation_and_leave_no_context():
+    """While dormant, a step runs as vLLM's runner runs without speculation
+    (no spec config, no aux outputs, the target's aux layers cleared); every
+    request in it loses drafter context; the skip rule still runs; and the
+    first step after dormancy restores all three."""
+    with _mock_runner() as runner:
+        ctl, ran, step, spec = runner.dspark, runner.ran, runner.step, runner.spec
+        rules = []
+        skips = ctl._skips
+        ctl._skips = lambda rows, requests, *due: rules.append((rows, requests)) or skips(rows, requests, *due)
         ctl.dormancy.wake()  # a fresh controller starts dormant (its exploration budget)
         step(new=["a", "b"])  # not dormant: the speculative paths, context kept
         ctl.dormancy.dormant = True
@@ -367,6 +382,38 @@ def test_dormant_steps_run_without_speculation_and_leave_no_context():
         assert ran[3] == (None, False, ()) and len(rules) == 2
         step(new=["d"])  # one that keeps context: the speculative paths again
         assert ran[4] == (spec, True, (1, 3))
+
+
+def test_a_dormant_runner_asks_the_controller_once_a_coasting_run():
+    """Dormant (the budget able to price steps), the runner asks ``coasts``
+    on a run's first step only, coasts the rest of the run unasked while the
+    batch stays the same, and asks again at once when it changes (a request
+    resumed, admitted or finished, or another batch size); every step runs
+    plain and is counted."""
+    from vllm_dspark.controller.cost_model import CostParams
+    from vllm_dspark.controller.tuning import ControllerTuning
+
+    every = ControllerTuning().dormant_recheck_every
+    with _mock_runner() as runner:
+        ctl = runner.dspark
+        for model in (ctl.costs.nospec, ctl.costs.decode):
+            model.pin(CostParams(5e-3, 0.0, 0.0), "test")
+        asked, coasts = [], ctl.coasts
+        ctl.coasts = lambda *a: asked.append(len(runner.ran)) or coasts(*a)
+        ctl.dormancy.sleep()
+        runner.step(new=["a", "b"])
+        for _ in range(3 * every):
+            runner.step()
+        assert len(asked) <= 1 + 3 * 2 + 1, asked  # per run: the rule's step and the run's first
+        changed = [{"resumed": ["b"]}, {"new": ["c"], "reqs": ("a", "b", "c")}, {"finished": ["c"]},
+                   {"reqs": ("a",)}]
+        for change in changed:
+            runner.step()
+            before = len(asked)
+            runner.step(**change)
+            assert len(asked) == before + 1, change
+        n = len(runner.ran)
+        assert all(r[0] is None for r in runner.ran[1:]) and ctl.snapshot(runner._coasted_fast).plain_steps == n
 
 
 def test_skipped_step_queues_only_requests_with_context():

@@ -53,10 +53,13 @@ class DSparkRunnerMixin:
         # Queued context is written only for live requests that keep it.
         self.drafter.context_queue.live_requests = self.dspark.ledger.wanted(self.requests)
         self._step_verifies = self._coasting = False
+        # A coasting run (coasting.py): steps it may still coast unasked, its batch, those it did.
+        self._coast_left, self._coast_batch, self._coasted_fast = 0, (0, 0), 0
+        self._slots_of = self._slots = None  # the target's slot-mapping buffer, and its view
         self._dspark_timing = NO_DRAFT
         rank = parallel.rank
         self._dspark_snapshots = SnapshotWriter(snapshot_dir(vllm_config.instance_id) if rank == 0 else None,
-                                                rank, lambda: self.dspark.snapshot().to_json())
+                                                rank, self.dspark_snapshot)
 
     def _get_eagle3_aux_layers_from_config(self):
         # The V1 helper reads only DFlash/EAGLE keys; vLLM's V2 helper also reads
@@ -82,19 +85,40 @@ class DSparkRunnerMixin:
             spec_decode_metadata = None
         return logits_indices, spec_decode_metadata, max_sampled
 
+    def dspark_snapshot(self) -> dict:
+        return self.dspark.snapshot(self._coasted_fast).to_json()
+
     def execute_model(self, scheduler_output, *args, **kwargs):
         so, tokens = scheduler_output, scheduler_output.total_num_scheduled_tokens
-        # A coasting step is already plain (the step before was), with no verification.
-        self._coasting = self.dspark.coasts(so.num_scheduled_tokens, bool(so.scheduled_new_reqs),
-                                            bool(so.scheduled_spec_decode_tokens), so.finished_req_ids, tokens)
+        if self._coast_left and (len(so.num_scheduled_tokens), tokens) == self._coast_batch and not (
+                so.scheduled_new_reqs or so.finished_req_ids or so.scheduled_cached_reqs.resumed_req_ids
+                or so.scheduled_spec_decode_tokens):
+            # The coasting run's batch, unchanged: this step coasts too, unasked (the fewer calls, the cheaper).
+            self._coast_left -= 1
+            self._coasted_fast += 1
+        else:
+            # A coasting step is already plain (the step before was), with no verification.
+            run = self.dspark.coasts(so.num_scheduled_tokens, bool(so.scheduled_new_reqs),
+                                     bool(so.scheduled_spec_decode_tokens), so.finished_req_ids, tokens,
+                                     self._coasted_fast)
+            self._coasting, self._coast_left, self._coasted_fast = run > 0, max(run - 1, 0), 0
+            self._coast_batch = (len(so.num_scheduled_tokens), tokens)
         if not self._coasting:
             view = StepView.of(so, self._stale_prefixes(so))
             self._step_verifies = view.verifies  # the rejection sampler runs this step
             self._plain_switch.set(self.dspark.begin_step(view) is not None)
         out = super().execute_model(scheduler_output, *args, **kwargs)
         if self.cache_config.enable_prefix_caching and tokens:
-            self.drafter.slots.target_wrote(self.input_batch.block_table[0].slot_mapping.gpu[:tokens])
+            self.drafter.slots.target_wrote(self._slot_mapping()[:tokens])
         return out
+
+    def _slot_mapping(self):
+        """The step's slots as the target wrote them: on CPU a NumPy view of
+        vLLM's buffer (made once; the buffer is persistent), else the tensor."""
+        buffer = self.input_batch.block_table[0].slot_mapping.gpu
+        if buffer is not self._slots_of:
+            self._slots_of, self._slots = buffer, buffer.numpy() if buffer.device.type == "cpu" else buffer
+        return self._slots
 
     def _stale_prefixes(self, scheduler_output) -> frozenset[str]:
         """New requests whose prefix-cache hit has slots without drafter

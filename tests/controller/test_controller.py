@@ -244,7 +244,8 @@ def test_dormant_plain_steps_coast_between_the_rule_s_checks():
         skips = ctl._skips
         ctl._skips = lambda *a: rules.append(1) or skips(*a)
         for v in views:  # as the runner drives it
-            coasted.append(ctl.coasts(v.req_ids, bool(v.new_req_ids), v.verifies, v.finished_req_ids, v.tokens))
+            coasted.append(bool(ctl.coasts(v.req_ids, bool(v.new_req_ids), v.verifies, v.finished_req_ids,
+                                           v.tokens)))
             if not coasted[-1]:
                 ctl.begin_step(v)
                 ctl.end_step(StepTiming())
@@ -279,6 +280,46 @@ def test_dormant_plain_steps_coast_between_the_rule_s_checks():
     _fund(awake)
     awake.dormancy.wake()
     assert not any(run(awake, [_view(("a",), verifies=True)] * 8)[0])
+
+
+def test_a_coasting_run_books_as_asking_every_step_would():
+    """``coasts`` answers a coasting step with a run: the steps until the rule
+    is due. A runner that coasts the rest of the run unasked while the batch
+    stays the same, and reports them at its next call, ends with the steps
+    coasted, the rule's checks, the counts and the budget of one that asks
+    every step; a changed batch (an admission) ends the run early."""
+    every = TUNING.dormant_recheck_every
+    views = ([_view(("a", "b"))] * (3 * every + 2) + [_view(("a", "b", "c"), new=("c",))]
+             + [_view(("a", "b", "c"))] * (2 * every + 1))
+
+    def drive(runs: bool):
+        ctl = DSparkController(DSparkKnobs(persist_cost_model=False), block_len=4, plain_steps=True,
+                               now=iter(range(10**6)).__next__)
+        _fund(ctl)
+        ctl.dormancy.sleep()
+        ctl.dormancy.wake = lambda: None
+        rules, skips = [], ctl._skips
+        ctl._skips = lambda *a: rules.append(1) or skips(*a)
+        coasted, left, fast, batch, longest = [], 0, 0, None, 0
+        for v in views:
+            if runs and left and batch == v.req_ids and not v.new_req_ids:
+                left, fast = left - 1, fast + 1
+                coasted.append(True)
+                continue
+            run = ctl.coasts(v.req_ids, bool(v.new_req_ids), v.verifies, v.finished_req_ids, v.tokens, fast)
+            longest = max(longest, run)
+            coasted.append(run > 0)
+            left, fast, batch = max(run - 1, 0), 0, v.req_ids
+            if not run:
+                ctl.begin_step(v)
+                ctl.end_step(StepTiming())
+        shown = ctl.snapshot(fast).plain_steps
+        return coasted, len(rules), shown, ctl.budget.balance, longest
+
+    asking, running = drive(False), drive(True)
+    assert running[:4] == asking[:4]
+    assert running[4] == every - 1 and asking[4] == every - 1  # a run: the steps until the rule is due
+    assert sum(asking[0]) > len(views) // 2 and running[2] == len(views)
 
 
 def test_plain_cost_at_an_unseen_batch_size_comes_from_the_verify_model():

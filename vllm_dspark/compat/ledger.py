@@ -321,8 +321,9 @@ LEDGER: tuple[Hook, ...] = (
     ),
     Hook(
         "vllm.v1.worker.block_table.MultiGroupBlockTable.__getitem__", "call",
-        "Group 0's BlockTable: its slot_mapping buffer (.gpu) holds the slots the step's "
-        "target forward wrote, tracked for drafter context (drafter_slots.py).", "-", "-",
+        "Group 0's BlockTable: its slot_mapping buffer (.gpu; on CPU read through a NumPy "
+        "view) holds the slots the step's target forward wrote, tracked for drafter "
+        "context (drafter_slots.py).", "-", "-",
         ("self", "idx"),
     ),
     Hook(
@@ -337,6 +338,12 @@ LEDGER: tuple[Hook, ...] = (
         "-", "-", ("scheduled_new_reqs", "scheduled_cached_reqs", "num_scheduled_tokens",
                    "total_num_scheduled_tokens", "scheduled_spec_decode_tokens",
                    "scheduled_encoder_inputs", "finished_req_ids"),
+    ),
+    Hook(
+        "vllm.v1.core.sched.output.CachedRequestData", "call",
+        "The running requests' part of the schedule: one resumed from preemption "
+        "ends a coasting run (it recomputed without drafter context).",
+        "-", "-", ("req_ids", "resumed_req_ids"),
     ),
     Hook(
         "vllm.v1.sample.rejection_sampler.RejectionSampler", "subclass",

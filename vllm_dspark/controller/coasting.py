@@ -9,8 +9,13 @@ the next step that does not coast, the coasted steps are booked at once
 (totals, the gate's skip count, and the budget's share of what the nospec
 model prices them at). In an engine a Python call costs about 1-2 µs after the
 forward has flushed the caches (a coasting step took 22 µs of controller
-time when it went through begin_step and end_step), so the fewer, the
-closer such a step comes to one of an engine without speculation. Whether a
+time when it went through begin_step and end_step, and still about 40 µs
+of the runner's and the controller's when it asked ``coasts``), so the
+fewer, the closer such a step comes to one of an engine without
+speculation: ``coasts`` answers with a run, the steps until the rule is
+due, and the runner coasts the rest of it without asking while the batch
+stays the same (no request admitted, resumed or finished, the same
+requests and tokens), reporting them at its next call. Whether a
 step coasts is a function of the step and of state every rank holds alike
 (dormancy is agreed; the nospec model learns from rank 0's timings), so
 under tensor parallelism every rank coasts on the same steps.
@@ -40,22 +45,29 @@ class Coasting:
         self._batch = (0, 0)  # the last one's requests and tokens
 
     def coasts(self, plain_before: bool, req_ids: Collection[str], admits: bool, verifies: bool,
-               finished: Collection[str], tokens: int) -> bool:
-        """Does this step coast? ``plain_before``: the step before ran plain."""
+               finished: Collection[str], tokens: int, fast: int = 0) -> int:
+        """Does this step coast? 0: no; n: yes, and so may the n - 1 steps
+        after it, unasked, while their batch stays this one's (the runner's
+        check). ``plain_before``: the step before ran plain; ``fast``: steps
+        of the last run the runner coasted unasked."""
         dormancy = self._dormancy
+        if fast:
+            self._coasted += fast
+            dormancy.cheap_skipped(fast)
         if not (self.enabled and plain_before and dormancy.dormant and self._budget.ready) or admits or verifies:
             self.due = None
-            return False
-        self.due = not dormancy.cheap_skip()
-        if self.due:
-            return False
+            return 0
+        run = dormancy.cheap_skip()
+        self.due = not run
+        if not run:
+            return 0
         ledger = self._ledger
         if finished:
             ledger.forget(finished)
         ledger.lose_all(req_ids)  # a resumed request recomputed without drafter context
         self._coasted += 1
         self._batch = (len(req_ids), tokens)
-        return True
+        return run
 
     @property
     def pending(self) -> int:

@@ -89,13 +89,14 @@ class DSparkController:
         return StepPlan("plain", self.depth)
 
     def coasts(self, req_ids: Collection[str], admits: bool, verifies: bool, finished: Collection[str],
-               tokens: int) -> bool:
-        """Asked before begin_step: does this step coast (coasting.py)? Then
-        the runner runs it plain and calls nothing else of the controller."""
-        coasts = self.coasting.coasts(self._plain_step, req_ids, admits, verifies, finished, tokens)
-        if coasts and self.clock.holding:  # the step before ran the rule: its sample, now its gap is known
+               tokens: int, fast: int = 0) -> int:
+        """Asked before begin_step: does this step coast, and for how many
+        steps (coasting.py)? Then the runner runs it plain and calls nothing
+        else of the controller. ``fast``: steps it coasted unasked since."""
+        run = self.coasting.coasts(self._plain_step, req_ids, admits, verifies, finished, tokens, fast)
+        if run and self.clock.holding:  # the step before ran the rule: its sample, now its gap is known
             self._record(self.clock.begin())
-        return coasts
+        return run
 
     def observe(self, outcome: VerifyOutcome) -> None:
         """What verification did with last step's drafts."""
@@ -217,11 +218,12 @@ class DSparkController:
         if self.steps // every > before // every:
             self.close()
 
-    def snapshot(self) -> ControllerSnapshot:
-        """Everything /metrics, the log line and the benchmarks show (read-only:
-        /metrics reads it from another thread)."""
+    def snapshot(self, unreported: int = 0) -> ControllerSnapshot:
+        """Everything /metrics, the log line and the benchmarks show (read-only: /metrics
+        reads it from another thread). ``unreported``: steps coasted unasked, not reported yet."""
         return self.telemetry.snapshot(dormant=self.dormancy.dormant, acceptance=self.acceptance, costs=self.costs,
-                                       load=self._view.load, budget=self.budget, coasted=self.coasting.pending)
+                                       load=self._view.load, budget=self.budget,
+                                       coasted=self.coasting.pending + unreported)
 
     def close(self) -> None:
         self.costs.save()

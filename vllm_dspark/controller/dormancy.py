@@ -52,13 +52,19 @@ class Dormancy:
         self._trial_steps = t.trial_steps
         self._trial = 0  # drafting steps the open exploring episode still takes whatever the models say
 
-    def cheap_skip(self) -> bool:
-        """Dormant, and the full rule is not due this step: skip without it."""
+    def cheap_skip(self) -> int:
+        """Dormant, and the full rule is not due this step: skip without it.
+        Returns 0 (the rule is due), or how many steps from this one on may
+        skip so before it is (a coasting run: coasting.py)."""
         if self.dormant and self._cheap < self._recheck - 1:
             self._cheap += 1
-            return True
+            return self._recheck - self._cheap
         self._cheap = 0
-        return False
+        return 0
+
+    def cheap_skipped(self, n: int) -> None:
+        """``n`` steps of the run the last cheap_skip allowed skipped as well."""
+        self._cheap += n
 
     def update(self, net: float, spend: float, model_error: float, settled: bool) -> None:
         """The rule ran: drafting would save ``net`` seconds for ``spend``

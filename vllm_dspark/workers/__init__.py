@@ -5,4 +5,4 @@ vLLM's CPU worker patches torch.cuda process-wide, so it stays out of GPU runs).
 class DSparkWorkerMixin:
     def dspark_snapshot(self) -> dict:
         """The controller's state (collective_rpc("dspark_snapshot"))."""
-        return self.model_runner.dspark.snapshot().to_json()
+        return self.model_runner.dspark_snapshot()
