@@ -2,6 +2,7 @@
 
     python benchmarks/bench_dormant_floor.py                 # c = 16 and 64, 40 pairs each, ~6 min
     python benchmarks/bench_dormant_floor.py --concurrency 16 --pairs 20
+    python benchmarks/bench_dormant_floor.py --in-engine     # the hooks' own cost, c = 1, 4, 16, 64, ~6 min
 
 Under sustained load the adaptive controller goes dormant and drafts almost
 nothing, so no-spec is the arm it is measured against, and what it can reach
@@ -9,6 +10,13 @@ there is bounded by this floor: the same engine, held dormant from the start
 (every step runs as a step without speculation and the skip rule still runs,
 but no step drafts). Head to head against no-spec, as in
 bench_dspark.py. Writes JSON (machine, versions, every pair) and a PNG.
+
+``--in-engine`` measures what the floor is made of without two processes'
+noise: one held engine alternates waves between DSpark's runner and vLLM's
+own runner methods called directly (the plain step the dormant one mirrors),
+and the worker times each step (execute_model + sample_tokens): the
+difference is what DSpark's hooks cost a dormant step. Writes
+dormant_hooks.json and its PNG.
 
 Holding the engine dormant patches its worker through collective_rpc with a
 function, which vLLM only accepts with VLLM_ALLOW_INSECURE_SERIALIZATION=1;
@@ -42,6 +50,99 @@ def hold_dormant(worker) -> bool:
     return True
 
 
+def time_steps(worker) -> bool:
+    """Runs in the worker: each step is timed (execute_model to the end of
+    sample_tokens) under the arm ``set_arm`` chose: "dspark" (the runner's
+    own methods) or "vllm" (vLLM's CPU runner's, called directly)."""
+    import time
+
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+    runner = worker.model_runner
+    own = type(runner)
+    state = worker.dspark_ab = {"arm": "dspark", "steps": {"dspark": [], "vllm": []}, "t0": 0.0}
+
+    def execute_model(*args, **kwargs):
+        state["t0"] = time.perf_counter()
+        return (own if state["arm"] == "dspark" else CPUModelRunner).execute_model(runner, *args, **kwargs)
+
+    def sample_tokens(*args, **kwargs):
+        out = (own if state["arm"] == "dspark" else CPUModelRunner).sample_tokens(runner, *args, **kwargs)
+        state["steps"][state["arm"]].append(time.perf_counter() - state["t0"])
+        return out
+
+    runner.execute_model, runner.sample_tokens = execute_model, sample_tokens
+    return True
+
+
+def set_arm(worker, arm: str) -> None:
+    worker.model_runner._plain_switch.set(True)  # both arms run the plain step
+    worker.dspark_ab["arm"] = arm
+
+
+def take_steps(worker) -> dict:
+    steps = worker.dspark_ab["steps"]
+    worker.dspark_ab["steps"] = {"dspark": [], "vllm": []}
+    return steps
+
+
+def in_engine(args, prompts, start_engine, stop_engine, measure_offline) -> list[dict]:
+    import statistics
+
+    from bench_dspark import pair_summary
+
+    from vllm_dspark.benchmarking import TINY_DRAFTER, TINY_TARGET
+
+    spec = {"method": "dspark", "model": str(REPO / TINY_DRAFTER), "num_speculative_tokens": 7}
+    held = start_engine(str(REPO / TINY_TARGET), max(args.concurrency), spec=spec,
+                        knobs={"persist_cost_model": False})
+    rows = []
+    try:
+        held.collective_rpc(hold_dormant)
+        measure_offline(held, prompts[:4], 4, 16)  # warm-up
+        held.collective_rpc(time_steps)
+        for c in args.concurrency:
+            rates = []
+            for i in range(args.pairs):  # ABBA
+                rate = {}
+                for arm in (("dspark", "vllm") if i % 2 == 0 else ("vllm", "dspark")):
+                    held.collective_rpc(set_arm, args=(arm,))
+                    rate[arm] = measure_offline(held, prompts[: c * max(2, 4 // c)], c,
+                                                args.max_tokens).tokens_per_s
+                rates.append((rate["dspark"], rate["vllm"]))
+            steps = held.collective_rpc(take_steps)[0]
+            us = {arm: {"median": statistics.median(v) * 1e6, "mean": statistics.fmean(v) * 1e6, "n": len(v)}
+                  for arm, v in steps.items()}
+            row = {"c": c, "step_us": us, "hooks_us_median": us["dspark"]["median"] - us["vllm"]["median"],
+                   "hooks_us_mean": us["dspark"]["mean"] - us["vllm"]["mean"], **pair_summary(rates)}
+            rows.append(row)
+            print(f"[floor] c={c}: a dormant step {row['hooks_us_median']:.0f} us over vLLM's plain step "
+                  f"(median; mean {row['hooks_us_mean']:.0f} us, of {us['vllm']['median']:.0f} us); "
+                  f"waves dspark / vllm = {row['median']:.3f}", flush=True)
+    finally:
+        stop_engine(held)
+    return rows
+
+
+def plot_hooks(record: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = record["concurrency"]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    xs = range(len(rows))
+    ax.bar([x - 0.2 for x in xs], [r["hooks_us_median"] for r in rows], 0.4, label="median")
+    ax.bar([x + 0.2 for x in xs], [r["hooks_us_mean"] for r in rows], 0.4, label="mean")
+    ax.set_xticks(list(xs), [f"c={r['c']}\n({r['step_us']['vllm']['median'] / 1e3:.1f} ms step)" for r in rows])
+    ax.set_ylabel("us per step over vLLM's plain step")
+    ax.set_title("DSpark's hooks on a dormant step, one engine", fontsize=10)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def plot(record: dict, path: Path) -> None:
     import matplotlib
 
@@ -60,11 +161,16 @@ def plot(record: dict, path: Path) -> None:
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--concurrency", type=int, nargs="+", default=[16, 64])
-    ap.add_argument("--pairs", type=int, default=40)
+    ap.add_argument("--concurrency", type=int, nargs="+", help="default: 16 64 (--in-engine: 1 4 16 64)")
+    ap.add_argument("--pairs", type=int, help="default: 40 (--in-engine: 20)")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "latest" / "dormant_floor.json")
+    ap.add_argument("--in-engine", action="store_true", help="the hooks' cost in one engine (see above)")
     args = ap.parse_args(argv)
+    args.concurrency = args.concurrency or ([1, 4, 16, 64] if args.in_engine else [16, 64])
+    args.pairs = args.pairs or (20 if args.in_engine else 40)
+    if args.in_engine and args.out == ap.get_default("out"):
+        args.out = args.out.with_name("dormant_hooks.json")
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     import tempfile
 
@@ -77,6 +183,14 @@ def main(argv=None) -> dict:
     from vllm_dspark.training.prompts import load_prompts
 
     prompts = [p["text"] for p in load_prompts()]
+    if args.in_engine:
+        t0 = time.time()
+        rows = in_engine(args, prompts, start_engine, stop_engine, measure_offline)
+        record = {"command": " ".join(["python", "benchmarks/bench_dormant_floor.py", *(argv or sys.argv[1:])]),
+                  "machine": machine_info(), "max_tokens": args.max_tokens, "concurrency": rows,
+                  "wall_seconds": round(time.time() - t0, 1)}
+        write_record(record, args.out, plot_hooks, "floor")
+        return record
     top = max(args.concurrency)
     spec = {"method": "dspark", "model": str(REPO / TINY_DRAFTER), "num_speculative_tokens": 7}
     t0 = time.time()
