@@ -51,24 +51,28 @@ def hold_dormant(worker) -> bool:
 
 
 def time_steps(worker) -> bool:
-    """Runs in the worker: each step is timed (execute_model to the end of
-    sample_tokens) under the arm ``set_arm`` chose: "dspark" (the runner's
-    own methods) or "vllm" (vLLM's CPU runner's, called directly)."""
+    """Runs in the worker: each step is timed (execute_model and
+    sample_tokens, not the engine's gap between the two calls) under the arm
+    ``set_arm`` chose: "dspark" (the runner's own methods) or "vllm" (vLLM's
+    CPU runner's, called directly)."""
     import time
 
     from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
     runner = worker.model_runner
     own = type(runner)
-    state = worker.dspark_ab = {"arm": "dspark", "steps": {"dspark": [], "vllm": []}, "t0": 0.0}
+    state = worker.dspark_ab = {"arm": "dspark", "steps": {"dspark": [], "vllm": []}, "execute": 0.0}
 
     def execute_model(*args, **kwargs):
-        state["t0"] = time.perf_counter()
-        return (own if state["arm"] == "dspark" else CPUModelRunner).execute_model(runner, *args, **kwargs)
+        t0 = time.perf_counter()
+        out = (own if state["arm"] == "dspark" else CPUModelRunner).execute_model(runner, *args, **kwargs)
+        state["execute"] = time.perf_counter() - t0
+        return out
 
     def sample_tokens(*args, **kwargs):
+        t0 = time.perf_counter()
         out = (own if state["arm"] == "dspark" else CPUModelRunner).sample_tokens(runner, *args, **kwargs)
-        state["steps"][state["arm"]].append(time.perf_counter() - state["t0"])
+        state["steps"][state["arm"]].append(state["execute"] + time.perf_counter() - t0)
         return out
 
     runner.execute_model, runner.sample_tokens = execute_model, sample_tokens
