@@ -2,7 +2,7 @@
 
     python benchmarks/bench_dormant_floor.py                 # c = 16 and 64, 40 pairs each, ~6 min
     python benchmarks/bench_dormant_floor.py --concurrency 16 --pairs 20
-    python benchmarks/bench_dormant_floor.py --in-engine     # the hooks' own cost, c = 1, 4, 16, 64, ~6 min
+    python benchmarks/bench_dormant_floor.py --in-engine     # the hooks' own cost, c = 1, 4, 16, 64, ~4 min
 
 Under sustained load the adaptive controller goes dormant and drafts almost
 nothing, so no-spec is the arm it is measured against, and what it can reach
@@ -12,11 +12,11 @@ but no step drafts). Head to head against no-spec, as in
 bench_dspark.py. Writes JSON (machine, versions, every pair) and a PNG.
 
 ``--in-engine`` measures what the floor is made of without two processes'
-noise: one held engine alternates waves between DSpark's runner and vLLM's
+noise: one held engine alternates steps between DSpark's runner and vLLM's
 own runner methods called directly (the plain step the dormant one mirrors),
 and the worker times each step (execute_model + sample_tokens): the
-difference is what DSpark's hooks cost a dormant step. Writes
-dormant_hooks.json and its PNG.
+difference of the medians, per round of waves, is what DSpark's hooks cost a
+dormant step. Writes dormant_hooks.json and its PNG.
 
 Holding the engine dormant patches its worker through collective_rpc with a
 function, which vLLM only accepts with VLLM_ALLOW_INSECURE_SERIALIZATION=1;
@@ -51,37 +51,35 @@ def hold_dormant(worker) -> bool:
 
 
 def time_steps(worker) -> bool:
-    """Runs in the worker: each step is timed (execute_model and
-    sample_tokens, not the engine's gap between the two calls) under the arm
-    ``set_arm`` chose: "dspark" (the runner's own methods) or "vllm" (vLLM's
-    CPU runner's, called directly)."""
+    """Runs in the worker: steps alternate between DSpark's runner methods
+    ("dspark") and vLLM's CPU runner's, called directly ("vllm"), both on the
+    plain step, and each is timed (execute_model and sample_tokens, not the
+    engine's gap between the two calls). Alternating step by step, the
+    machine's drift (here ±20% between waves) falls on both alike."""
     import time
 
     from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
     runner = worker.model_runner
-    own = type(runner)
-    state = worker.dspark_ab = {"arm": "dspark", "steps": {"dspark": [], "vllm": []}, "execute": 0.0}
+    arms = {"dspark": type(runner), "vllm": CPUModelRunner}
+    state = worker.dspark_ab = {"arm": "vllm", "steps": {"dspark": [], "vllm": []}, "execute": 0.0}
+    runner._plain_switch.set(True)
 
     def execute_model(*args, **kwargs):
+        state["arm"] = "dspark" if state["arm"] == "vllm" else "vllm"
         t0 = time.perf_counter()
-        out = (own if state["arm"] == "dspark" else CPUModelRunner).execute_model(runner, *args, **kwargs)
+        out = arms[state["arm"]].execute_model(runner, *args, **kwargs)
         state["execute"] = time.perf_counter() - t0
         return out
 
     def sample_tokens(*args, **kwargs):
         t0 = time.perf_counter()
-        out = (own if state["arm"] == "dspark" else CPUModelRunner).sample_tokens(runner, *args, **kwargs)
+        out = arms[state["arm"]].sample_tokens(runner, *args, **kwargs)
         state["steps"][state["arm"]].append(state["execute"] + time.perf_counter() - t0)
         return out
 
     runner.execute_model, runner.sample_tokens = execute_model, sample_tokens
     return True
-
-
-def set_arm(worker, arm: str) -> None:
-    worker.model_runner._plain_switch.set(True)  # both arms run the plain step
-    worker.dspark_ab["arm"] = arm
 
 
 def take_steps(worker) -> dict:
@@ -93,7 +91,7 @@ def take_steps(worker) -> dict:
 def in_engine(args, prompts, start_engine, stop_engine, measure_offline) -> list[dict]:
     import statistics
 
-    from bench_dspark import pair_summary
+    from bench_dspark import bootstrap_median_interval
 
     from vllm_dspark.benchmarking import TINY_DRAFTER, TINY_TARGET
 
@@ -106,23 +104,21 @@ def in_engine(args, prompts, start_engine, stop_engine, measure_offline) -> list
         measure_offline(held, prompts[:4], 4, 16)  # warm-up
         held.collective_rpc(time_steps)
         for c in args.concurrency:
-            rates = []
-            for i in range(args.pairs):  # ABBA
-                rate = {}
-                for arm in (("dspark", "vllm") if i % 2 == 0 else ("vllm", "dspark")):
-                    held.collective_rpc(set_arm, args=(arm,))
-                    rate[arm] = measure_offline(held, prompts[: c * max(2, 4 // c)], c,
-                                                args.max_tokens).tokens_per_s
-                rates.append((rate["dspark"], rate["vllm"]))
-            steps = held.collective_rpc(take_steps)[0]
-            us = {arm: {"median": statistics.median(v) * 1e6, "mean": statistics.fmean(v) * 1e6, "n": len(v)}
-                  for arm, v in steps.items()}
-            row = {"c": c, "step_us": us, "hooks_us_median": us["dspark"]["median"] - us["vllm"]["median"],
-                   "hooks_us_mean": us["dspark"]["mean"] - us["vllm"]["mean"], **pair_summary(rates)}
+            diffs, medians = [], []
+            for _ in range(args.pairs):
+                measure_offline(held, prompts[: c * max(2, 4 // c)], c, args.max_tokens)
+                steps = held.collective_rpc(take_steps)[0]
+                medians.append({arm: statistics.median(v) * 1e6 for arm, v in steps.items()})
+                diffs.append(medians[-1]["dspark"] - medians[-1]["vllm"])
+            base = statistics.median(m["vllm"] for m in medians)
+            row = {"c": c, "vllm_step_us": base, "step_us_per_round": medians, "hooks_us_per_round": diffs,
+                   "hooks_us_median": statistics.median(diffs), "hooks_us_interval90": bootstrap_median_interval(diffs)}
+            row["share_of_step"] = row["hooks_us_median"] / base
             rows.append(row)
+            lo, hi = row["hooks_us_interval90"]
             print(f"[floor] c={c}: a dormant step {row['hooks_us_median']:.0f} us over vLLM's plain step "
-                  f"(median; mean {row['hooks_us_mean']:.0f} us, of {us['vllm']['median']:.0f} us); "
-                  f"waves dspark / vllm = {row['median']:.3f}", flush=True)
+                  f"({100 * row['share_of_step']:.1f}% of its {base:.0f} us; median of {args.pairs} rounds' "
+                  f"medians, 90% interval {lo:.0f} to {hi:.0f} us)", flush=True)
     finally:
         stop_engine(held)
     return rows
@@ -136,13 +132,14 @@ def plot_hooks(record: dict, path: Path) -> None:
 
     rows = record["concurrency"]
     fig, ax = plt.subplots(figsize=(6, 4))
-    xs = range(len(rows))
-    ax.bar([x - 0.2 for x in xs], [r["hooks_us_median"] for r in rows], 0.4, label="median")
-    ax.bar([x + 0.2 for x in xs], [r["hooks_us_mean"] for r in rows], 0.4, label="mean")
-    ax.set_xticks(list(xs), [f"c={r['c']}\n({r['step_us']['vllm']['median'] / 1e3:.1f} ms step)" for r in rows])
+    for i, row in enumerate(rows):
+        ax.scatter([i] * len(row["hooks_us_per_round"]), row["hooks_us_per_round"], s=10, alpha=0.5)
+        ax.plot([i - 0.3, i + 0.3], [row["hooks_us_median"]] * 2, color="black")
+    ax.axhline(0.0, color="grey", linewidth=1)
+    ax.set_xticks(range(len(rows)), [f"c={r['c']}\n({r['vllm_step_us'] / 1e3:.1f} ms step)" for r in rows])
     ax.set_ylabel("us per step over vLLM's plain step")
-    ax.set_title("DSpark's hooks on a dormant step, one engine", fontsize=10)
-    ax.legend()
+    ax.set_title("DSpark's hooks on a dormant step, one engine (per round; bar: median)", fontsize=10)
+    ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -166,7 +163,7 @@ def plot(record: dict, path: Path) -> None:
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--concurrency", type=int, nargs="+", help="default: 16 64 (--in-engine: 1 4 16 64)")
-    ap.add_argument("--pairs", type=int, help="default: 40 (--in-engine: 20)")
+    ap.add_argument("--pairs", type=int, help="head-to-head pairs (--in-engine: rounds), default 40 (20)")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "latest" / "dormant_floor.json")
     ap.add_argument("--in-engine", action="store_true", help="the hooks' cost in one engine (see above)")
