@@ -616,6 +616,19 @@ def test_walk_depth_is_where_another_position_stops_paying(walk_s, depth):
     assert ctl.telemetry.totals.depth_hist[depth] == before[depth] + 1
 
 
+def test_a_shallow_depth_walks_a_whole_block_when_the_last_is_stale():
+    """Positions past a shallow walk are measured only by whole walks
+    (survival.py): once the newest whole block is older than a quarter of
+    the window's half-life, the next drafting step walks all K positions,
+    and the one after it the depth the gate chose again."""
+    ctl, logits = _depth_ctl(1.5e-3)
+    assert ctl.plan(_Requests(["a"])).depth == 3
+    ctl.steps += int(TUNING.survival.half_life_steps)
+    assert ctl.plan(_Requests(["a"])).depth == 4
+    _choose(ctl, ["a"], logits, [4], [True])
+    assert ctl.plan(_Requests(["a"])).depth == 3
+
+
 def test_walk_is_priced_only_once_measured_or_pinned():
     """Until the walk model has its observations (or a curve pins it), the
     drafting model stands for all of drafting and the walk is K deep; once

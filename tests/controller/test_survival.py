@@ -88,3 +88,37 @@ def test_rows_wrap_around_the_ring():
     assert w.add(torch.tensor([[0.5], [0.6], [0.7]]), [True] * 3) == [3, 0, 1]
     mean, _ = w.estimate(lambda raw, greedy: raw.clone())  # survival = the raw value
     assert mean == pytest.approx([(0.5 + 0.6 + 0.7 + 0.3) / 4])
+
+
+def _identity(raw, greedy):
+    return raw.clone()
+
+
+def test_positions_past_a_shallow_walk_come_from_blocks_walked_past_them():
+    """Past a walk's depth a block has the parallel stage's tokens and their
+    (lower) confidences. Position j's survival is the chain of conditional
+    survivals over the blocks walked past j: shallow blocks (here: walked 1
+    deep, 0.01 past it) leave positions 2-3 to the whole blocks (0.5 each);
+    read from every block alike, as before, they halve position 2's. With
+    one depth throughout, the chain is the mean of the products; with no
+    block walked past a position, every block counts."""
+    w = SurvivalWindow(block_len=3, tuning=SurvivalTuning(refresh_every=1))
+    w.add(torch.tensor([[0.8, 0.5, 0.5]] * 2), [True] * 2, depth=3)
+    w.add(torch.tensor([[0.8, 0.01, 0.01]] * 2), [True] * 2, depth=1)
+    assert w.estimate(_identity)[0] == pytest.approx([0.8, 0.4, 0.2])
+    same = SurvivalWindow(block_len=2, tuning=SurvivalTuning(refresh_every=1))
+    same.add(torch.tensor([[0.9, 0.5], [0.5, 0.9]]), [True] * 2)
+    assert same.estimate(_identity)[0] == pytest.approx([0.7, 0.45])
+    shallow = SurvivalWindow(block_len=2, tuning=SurvivalTuning(refresh_every=1))
+    shallow.add(torch.tensor([[0.8, 0.5], [0.6, 0.1]]), [True] * 2, depth=1)
+    assert shallow.estimate(_identity)[0] == pytest.approx([0.7, (0.4 + 0.06) / 2])
+
+
+def test_a_whole_walk_falls_due_a_quarter_half_life_after_the_last():
+    tuning = SurvivalTuning()
+    w = SurvivalWindow(block_len=4, tuning=tuning)
+    due = int(tuning.half_life_steps / 4)
+    assert w.deep_stale(0)  # none yet
+    w.add(torch.zeros(1, 4), [True], step=10, depth=4)
+    w.add(torch.zeros(1, 4), [True], step=12, depth=2)  # a shallow block does not count
+    assert not w.deep_stale(10 + due) and w.deep_stale(11 + due)

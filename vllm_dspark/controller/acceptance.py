@@ -49,16 +49,18 @@ class AcceptanceModel:
         mask = torch.tensor(greedy, device=conf_logits.device)[:, None]
         return torch.where(mask, cal["greedy"].calibrate(conf_logits), cal["sampled"].calibrate(conf_logits))
 
-    def remember(self, blocks: DraftBlocks, caps: list[int], step: int, calibrated: torch.Tensor | None) -> None:
-        """Keep this step's blocks until their outcome arrives. A block that may
-        verify nothing never gets one, and one drafted without context says
-        nothing of the others: neither joins the window."""
+    def remember(self, blocks: DraftBlocks, caps: list[int], step: int, calibrated: torch.Tensor | None,
+                 depth: int | None = None) -> None:
+        """Keep this step's blocks (walked ``depth`` deep) until their outcome
+        arrives. A block that may verify nothing never gets one, and one drafted
+        without context says nothing of the others: neither joins the window."""
         raw = blocks.conf_logits.detach().float().cpu()
         greedy = blocks.greedy
         kept = [i for i, c in enumerate(caps) if c > 0]
         slots: list[int | None] = [None] * len(caps)
         if kept:
-            picked = self.window.add(raw if len(kept) == len(caps) else raw[kept], [greedy[i] for i in kept], step)
+            picked = self.window.add(raw if len(kept) == len(caps) else raw[kept], [greedy[i] for i in kept], step,
+                                     depth)
             for i, slot in zip(kept, picked):
                 slots[i] = slot
         # Rows of floats: the calibration queues them.

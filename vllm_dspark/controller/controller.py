@@ -90,9 +90,8 @@ class DSparkController:
 
     def coasts(self, req_ids: Collection[str], admits: bool, verifies: bool, finished: Collection[str],
                tokens: int, fast: int = 0) -> int:
-        """Asked before begin_step: does this step coast, and for how many
-        steps (coasting.py)? Then the runner runs it plain and calls nothing
-        else of the controller. ``fast``: steps it coasted unasked since."""
+        """Asked before begin_step: does this step coast, and for how many steps (coasting.py)?
+        Then the runner runs it plain, calling nothing else. ``fast``: steps coasted unasked since."""
         run = self.coasting.coasts(self._plain_step, req_ids, admits, verifies, finished, tokens, fast)
         if run and self.clock.holding:  # the step before ran the rule: its sample, now its gap is known
             self._record(self.clock.begin())
@@ -120,7 +119,8 @@ class DSparkController:
         """Verify lengths [B] for this step's blocks."""
         caps = self.ledger.zero_caps(blocks.req_ids, blocks.caps)
         conf = self.acceptance.calibrated(blocks.conf_logits, blocks.greedy)
-        self.acceptance.remember(blocks, caps, self.steps, conf if self.telemetry.trace is not None else None)
+        self.acceptance.remember(blocks, caps, self.steps, conf if self.telemetry.trace is not None else None,
+                                 self.depth)
         # Past the walked depth there are no drafts to verify.
         cap = torch.tensor(caps, dtype=torch.int32, device=conf.device).clamp(0, min(conf.shape[1], self.depth))
         allowance = self.budget.draft_tokens(self._building) if self.dormancy.guarded else None
@@ -175,7 +175,7 @@ class DSparkController:
             counts = level_counts(self.ledger.zero_caps(requests.req_ids, requests.caps()), self.k)
             if counts[-1] < rows:
                 verdict = assessment.best(counts)
-        self.depth = verdict.depth
+        self.depth = self.k if self.acceptance.window.deep_stale(self.steps) else verdict.depth  # survival.py
         if gate.drafts(verdict.net, assessment.plain, contexts, self._view, self.costs, dormancy.exploring,
                        dormancy.gaining):
             return self._draft()
@@ -219,8 +219,8 @@ class DSparkController:
             self.close()
 
     def snapshot(self, unreported: int = 0) -> ControllerSnapshot:
-        """Everything /metrics, the log line and the benchmarks show (read-only: /metrics
-        reads it from another thread). ``unreported``: steps coasted unasked, not reported yet."""
+        """What /metrics, the log line and the benchmarks show (read-only: /metrics reads it
+        from another thread). ``unreported``: steps coasted unasked, not reported yet."""
         return self.telemetry.snapshot(dormant=self.dormancy.dormant, acceptance=self.acceptance, costs=self.costs,
                                        load=self._view.load, budget=self.budget,
                                        coasted=self.coasting.pending + unreported)

@@ -10,6 +10,15 @@ Blocks weigh less as they age, in engine steps (half-life
 ``SurvivalTuning.half_life_steps``): what a block yields depends on the request
 and the text, and while drafting is skipped blocks come only from probes, one
 per request, so the last few probes must decide (docs/tuning.md has the runs).
+
+A block walked to a depth d < K has past d the parallel stage's tokens and
+their confidences, lower than the walk's own would have been: position j's
+survival comes from the blocks walked past j, as the chain of conditional
+survivals (with one set of blocks it is the mean of their products). Read
+from every block alike, a shallow walk made the positions past it look
+worthless, and the depth that rule chose was never walked deeper again.
+The controller therefore walks a whole block whenever the newest one is
+older than a quarter of the half-life (``deep_stale``).
 """
 
 import torch
@@ -30,16 +39,21 @@ class SurvivalWindow:
         self._verified = [0] * window
         self._accepted = [0] * window
         self._step = [0.0] * window  # engine step each block was drafted at
+        self._depth = [block_len] * window  # positions its walk refined
+        self._deep_step = None  # engine step of the newest block walked whole
         self._count = 0
         self._next = 0
         self._cached: tuple[list[float], float] | None = None
         self._stale = False
         self._age = 0
 
-    def add(self, raw: torch.Tensor, greedy: list[bool], step: int = 0) -> list[int | None]:
+    def add(self, raw: torch.Tensor, greedy: list[bool], step: int = 0, depth: int | None = None) -> list[int | None]:
         """Keep engine step ``step``'s blocks (raw confidence logits [B, K]
-        on CPU); returns each row's slot for ``outcome`` (None for rows
-        beyond the window)."""
+        on CPU), walked ``depth`` deep (default K); returns each row's slot
+        for ``outcome`` (None for rows beyond the window)."""
+        depth = self.k if depth is None else depth
+        if depth >= self.k:
+            self._deep_step = step
         size = self.size
         n = raw.shape[0]
         kept = min(n, size)
@@ -53,6 +67,7 @@ class SurvivalWindow:
             self._greedy[slot] = g
             self._verified[slot] = self._accepted[slot] = 0
             self._step[slot] = float(step)
+            self._depth[slot] = depth
         self._next = (self._next + kept) % size
         self._count = min(size, self._count + kept)
         self._stale = True
@@ -69,6 +84,12 @@ class SurvivalWindow:
     def changed(self) -> None:
         """The calibration moved: the next estimate is due for a refresh."""
         self._stale = True
+
+    def deep_stale(self, step: int) -> bool:
+        """Is the newest block walked whole older than a quarter of the
+        half-life (or is there none)? Then positions past a shallower walk
+        are going unmeasured."""
+        return self._deep_step is None or step - self._deep_step > self.tuning.half_life_steps / 4
 
     @property
     def last(self) -> tuple[list[float], float] | None:
@@ -92,8 +113,21 @@ class SurvivalWindow:
             expected = float((weight[:, None] * surv * reached).sum())
             accepted = float((weight * torch.tensor(self._accepted[:n], dtype=torch.float32)).sum())
             ratio = min(max(accepted / expected, 0.5), 2.0) if expected >= t.min_expected else 1.0
-            mean = (weight[:, None] * surv).sum(0) / weight.sum()
-            self._cached = (mean.tolist(), ratio)
+            self._cached = (self._chain(weight, surv).tolist(), ratio)
             self._stale, self._age = False, 0
         self._age += 1
         return self._cached
+
+    def _chain(self, weight: torch.Tensor, surv: torch.Tensor) -> torch.Tensor:
+        """Mean survival per position [K]: the product of the conditional
+        survivals, each over the blocks walked past its position (all blocks
+        where none was)."""
+        n = surv.shape[0]
+        walked = torch.arange(self.k)[None, :] < torch.tensor(self._depth[:n])[:, None]
+        before = torch.cat([torch.ones(n, 1), surv[:, :-1]], dim=1)
+        w = weight[:, None]
+        num, den = (w * surv).sum(0), (w * before).sum(0)
+        num_walked, den_walked = (w * surv * walked).sum(0), (w * before * walked).sum(0)
+        use = den_walked > 0
+        num, den = torch.where(use, num_walked, num), torch.where(use, den_walked, den)
+        return torch.cumprod(torch.where(den > 0, num / den.clamp_min(1e-30), torch.zeros_like(den)), dim=0)
