@@ -88,12 +88,12 @@ def take_steps(worker) -> dict:
     return steps
 
 
-def in_engine(args, prompts, start_engine, stop_engine, measure_offline) -> list[dict]:
+def in_engine(args, prompts: list[str]) -> list[dict]:
     import statistics
 
     from bench_dspark import bootstrap_median_interval
 
-    from vllm_dspark.benchmarking import TINY_DRAFTER, TINY_TARGET
+    from vllm_dspark.benchmarking import TINY_DRAFTER, TINY_TARGET, measure_offline, start_engine, stop_engine
 
     spec = {"method": "dspark", "model": str(REPO / TINY_DRAFTER), "num_speculative_tokens": 7}
     held = start_engine(str(REPO / TINY_TARGET), max(args.concurrency), spec=spec,
@@ -186,7 +186,7 @@ def main(argv=None) -> dict:
     prompts = [p["text"] for p in load_prompts()]
     if args.in_engine:
         t0 = time.time()
-        rows = in_engine(args, prompts, start_engine, stop_engine, measure_offline)
+        rows = in_engine(args, prompts)
         record = {"command": " ".join(["python", "benchmarks/bench_dormant_floor.py", *(argv or sys.argv[1:])]),
                   "machine": machine_info(), "max_tokens": args.max_tokens, "concurrency": rows,
                   "wall_seconds": round(time.time() - t0, 1)}

@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from bench_step_phases import instrument  # noqa: E402
+from bench_step_phases import instrument, per_step, round_order  # noqa: E402
 
 ARMS = {"nospec": None, "full K=3": (3, "full"), "adaptive K=7": (7, "adaptive"), "full K=7": (7, "full")}
 CONTROLLER = ("coasts", "begin_step", "plan", "choose", "observe", "end_step")
@@ -86,13 +86,10 @@ def main(argv=None) -> dict:
             measure_offline(llm, prompts, c, args.max_tokens)
     per_round = {name: [] for name in engines}
     for i in range(args.rounds):
-        order = list(engines) if i % 2 == 0 else list(engines)[::-1]
-        for name in order:
-            acc = accs[name]
-            acc.clear()
+        for name in round_order(engines, i):
+            accs[name].clear()
             sample = measure_offline(engines[name], prompts, c, args.max_tokens)
-            steps = max(1, acc["scheduler.schedule"][2])
-            row = {k: v[1] / steps * 1e6 for k, v in acc.items()}
+            row = {k: cpu for k, (_, cpu) in per_step(accs[name])[0].items()}
             row["tokens_per_s"] = sample.tokens_per_s
             per_round[name].append(row)
         print(f"[phases] round {i + 1}/{args.rounds}: "

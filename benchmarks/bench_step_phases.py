@@ -81,6 +81,17 @@ def instrument(llm, controller: tuple[str, ...] = CONTROLLER, drafting: bool = F
     return acc
 
 
+def round_order(names, i: int) -> list[str]:
+    """Round ``i``'s order: reversed every other round, so drift favours no engine."""
+    return list(names) if i % 2 == 0 else list(names)[::-1]
+
+
+def per_step(acc: dict) -> tuple[dict, int]:
+    """Each timed phase as (wall, CPU) µs per engine step, and the steps."""
+    steps = max(1, acc["scheduler.schedule"][2])
+    return {k: (v[0] / steps * 1e6, v[1] / steps * 1e6) for k, v in acc.items()}, steps
+
+
 def plot(record: dict, path: Path) -> None:
     import matplotlib
 
@@ -132,15 +143,12 @@ def main(argv=None) -> dict:
         measure_offline(llm, prompts, args.concurrency, args.max_tokens)  # warm-up
     per_round = {name: [] for name in engines}
     for i in range(args.rounds):
-        order = list(engines) if i % 2 == 0 else list(engines)[::-1]
-        for name in order:
-            acc = accs[name]
-            acc.clear()
+        for name in round_order(engines, i):
+            accs[name].clear()
             wall, cpu = time.perf_counter(), time.thread_time()
             measure_offline(engines[name], prompts, args.concurrency, args.max_tokens)
             wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
-            steps = max(1, acc["scheduler.schedule"][2])
-            row = {k: (v[0] / steps * 1e6, v[1] / steps * 1e6) for k, v in acc.items()}
+            row, steps = per_step(accs[name])
             row["step (wall)"] = (wall / steps * 1e6, cpu / steps * 1e6)
             per_round[name].append(row)
         print(f"[phases] round {i + 1}/{args.rounds}: "

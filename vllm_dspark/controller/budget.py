@@ -81,7 +81,7 @@ class ExplorationBudget:
         if not self.ready:
             return
         nospec = self._nospec
-        decodes = self._decode.covers(s.reqs, s.reqs)
+        decodes = self.measured(s.reqs)
         if decodes:  # the price of a decoded token at this batch
             self._step = self._decode.params.predict(s.reqs, s.reqs)
             self._token = self._step / s.reqs
