@@ -28,6 +28,9 @@ server starts with a fresh cost cache (cold start).
                  preempts): greedy and seeded T=1 requests, lengths cycling 1/4, 1/2, 1 of
                  --max-tokens. Figure: output tok/s; wall time and preemptions (from the requests'
                  own stats) recorded.
+  soak-tokens    the soak with the DSpark arms' KV bytes raised to hold as many target tokens as
+                 no-spec's next to their drafter's KV (the start-up log's advice): whether the
+                 soak's gap is the KV share or the speculation.
 
 Per row: every arm's figure (median of the pooled rounds), adaptive / best other arm with a 90%
 bootstrap interval (head-to-head pairs for waves, per-round ratios otherwise; pooled over runs),
@@ -59,13 +62,13 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from matrix_worker import AD, K7, NS, SOAK_C  # noqa: E402
 
 ARMS = (NS, K7, "dspark-k3", AD)
-WORKLOADS = ("waves", "poisson-light", "poisson-heavy", "soak")
+WORKLOADS = ("waves", "poisson-light", "poisson-heavy", "soak", "soak-tokens")
 REGIMES = {"native": {}, "avx2cap": {"ONEDNN_MAX_CPU_ISA": "AVX2"}}
 DT_SHORT = {"bfloat16": "bf16", "float32": "fp32"}
 LINE, K7_LINE = 0.98, 1.2
 LIGHT_SHARE, HEAVY_SHARE, FIXED_RATES = 0.5, 0.8, (2.0, 30.0)
 UNITS = {"waves": "tok/s", "poisson-light": "tok/s a request (1000/median TPOT)",
-         "poisson-heavy": "tok/s", "soak": "tok/s"}
+         "poisson-heavy": "tok/s", "soak": "tok/s", "soak-tokens": "tok/s"}
 # --dry-run's cost model (AMD EPYC x2, smoke runs and latest/dspark_vs_nospec*.json): seconds a
 # worker / engine / server / client takes to start, output tok/s at c (the four arms' mean; 24 is
 # the soak, preempting), the work's slowdown under the AVX2 cap. float32 is assumed as fast as bf16.
@@ -199,7 +202,7 @@ def settings(args, workload: str) -> dict:
     if workload == "waves":
         return {**base, "concurrency": args.concurrency, "max_tokens": args.max_tokens, "rounds": args.rounds,
                 "pairs": args.pairs}
-    if workload == "soak":
+    if workload.startswith("soak"):
         return {**base, "max_tokens": args.max_tokens, "soak_requests": args.soak_requests,
                 "soak_kv_tokens": args.soak_kv_tokens, "soak_rounds": args.soak_rounds}
     return {**base, "concurrency": args.concurrency, "serve_prompts": args.serve_prompts,
@@ -225,7 +228,7 @@ def estimate_s(args, regime: str, workload: str) -> float:
         work = sum((args.rounds * arms + 2 * args.pairs) * c * max(2, 4 // c) * args.max_tokens / EST_TOKS.get(c, 1500)
                    for c in args.concurrency)
         return EST["worker"] + arms * EST["engine"] + slow * work
-    if workload == "soak":
+    if workload.startswith("soak"):
         tokens = args.soak_requests * 7 * args.max_tokens / 12
         return EST["worker"] + arms * EST["engine"] + slow * args.soak_rounds * arms * tokens / EST_TOKS[SOAK_C]
     heavy = workload == "poisson-heavy"

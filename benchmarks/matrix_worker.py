@@ -126,6 +126,16 @@ def bench_client(port: int, job: dict, data: Path, n: int, out: Path) -> dict:
     return json.loads(out.read_text())
 
 
+def controller_totals(port: int) -> dict:
+    """A DSpark server's controller totals from its /metrics (vllm_dspark:*, metrics.py)."""
+    from vllm_dspark.benchmarking import server_metric
+
+    base = f"http://127.0.0.1:{port}"
+    names = {"drafting_steps": "vllm_dspark:draft_depth_count", "plain_steps": "vllm_dspark:plain_steps_total",
+             "contextless_requests": "vllm_dspark:contextless_requests_total"}
+    return {key: server_metric(base, metric) for key, metric in names.items()}
+
+
 def run_serve(job: dict, prompts: list[str]) -> tuple[dict, dict]:
     heavy, tokens = job["workload"] == "poisson-heavy", job["serve_tokens"]
     n, work = job["serve_prompts"][heavy], Path(tempfile.mkdtemp(prefix="dspark_matrix_serve_"))
@@ -154,6 +164,8 @@ def run_serve(job: dict, prompts: list[str]) -> tuple[dict, dict]:
                 detail.setdefault(name, []).append({k: res.get(k) for k in (
                     "duration", "output_throughput", "mean_tpot_ms", "median_tpot_ms", "mean_ttft_ms",
                     "median_ttft_ms", "mean_itl_ms", "max_concurrent_requests")})
+                if name != NS:  # what the controller did, so far (its metrics are cumulative)
+                    detail[name][-1]["controller"] = controller_totals(servers[name][1])
                 print(f"[matrix] {job['workload']} round {r + 1} {name}: {res['output_throughput']:.0f} tok/s, "
                       f"median TPOT {res['median_tpot_ms']:.2f} ms, {res['completed']}/{n} done", flush=True)
             rounds.append(got)
@@ -175,10 +187,19 @@ def preemptions(outs) -> int | None:
     return None if None in stats else sum(stats)
 
 
-def soak_kv_bytes(job: dict) -> int:
-    cfg = json.loads((Path(job["target"]) / "config.json").read_text())
-    per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * cfg["head_dim"]
-    return job["soak_kv_tokens"] * per_token * (4 if job["dtype"] == "float32" else 2)
+def soak_kv_bytes(job: dict, arm: str = NS) -> int:
+    """--soak-kv-tokens of the target's KV in bytes; for a DSpark arm of soak-tokens, the bytes that
+    hold as many tokens next to its drafter's KV (what the start-up log advises)."""
+    from types import SimpleNamespace
+
+    from vllm_dspark.layouts import kv_share
+
+    cfg = [json.loads((Path(job[m]) / "config.json").read_text()) for m in ("target", "drafter")]
+    per_token = 2 * cfg[0]["num_hidden_layers"] * cfg[0]["num_key_value_heads"] * cfg[0]["head_dim"]
+    target = job["soak_kv_tokens"] * per_token * (4 if job["dtype"] == "float32" else 2)
+    if job["workload"] != "soak-tokens" or arm == NS:
+        return target
+    return round(target / (1 - kv_share(*(SimpleNamespace(**c) for c in reversed(cfg)))))
 
 
 def run_soak(job: dict, prompts: list[str]) -> tuple[dict, dict]:
@@ -194,7 +215,7 @@ def run_soak(job: dict, prompts: list[str]) -> tuple[dict, dict]:
     engines, rounds, integ, detail, outs = {}, [], {}, {}, {}
     try:
         for name in job["arms"]:
-            engines[name] = start_offline(name, job, SOAK_C, kv_cache_memory_bytes=soak_kv_bytes(job),
+            engines[name] = start_offline(name, job, SOAK_C, kv_cache_memory_bytes=soak_kv_bytes(job, name),
                                           max_model_len=SOAK_MODEL_LEN)
             engines[name].generate(prompts[:4], SamplingParams(max_tokens=16, ignore_eos=True), use_tqdm=False)
         for r in range(job["soak_rounds"]):
@@ -223,7 +244,7 @@ def run_soak(job: dict, prompts: list[str]) -> tuple[dict, dict]:
         for llm in engines.values():
             stop_engine(llm)
     row = {"rounds": rounds, "integrity": integ, "detail": detail, "output_lengths": lens,
-           "kv_cache_memory_bytes": soak_kv_bytes(job)}
+           "kv_cache_memory_bytes": {name: soak_kv_bytes(job, name) for name in job["arms"]}}
     return {f"c={SOAK_C}": row}, identity(outs, {a: integ[a]["ok"] for a in outs})
 
 
@@ -235,7 +256,7 @@ def worker(job_path: str, out_path: str) -> dict:
 
     job, t0 = json.loads(Path(job_path).read_text()), time.time()
     prompts = [p["text"] for p in load_prompts()]
-    fn = {"waves": run_waves, "soak": run_soak}.get(job["workload"], run_serve)
+    fn = {"waves": run_waves, "soak": run_soak, "soak-tokens": run_soak}.get(job["workload"], run_serve)
     rows, ident = fn(job, prompts)
     os.environ.pop("VLLM_DSPARK_CACHE_DIR", None)
     prov = {**provenance(job["argv"]), "machine": machine_info()}
