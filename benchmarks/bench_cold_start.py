@@ -85,7 +85,7 @@ def summarize(pairs: list[dict]) -> dict:
     ok = all(r["lengths_ok"] for p in pairs for r in p["runs"].values())
     return {"median": med, "interval90": [lo, hi], "pairs": len(ratios), "integrity_ok": ok,
             "identical": [sum(p["identical"][0] for p in pairs), sum(p["identical"][1] for p in pairs)],
-            "verdict": ("OK" if med >= BOUND else "MISS") + (", interval straddles 0.95" if lo < BOUND <= hi else "")}
+            "verdict": ("OK" if med >= BOUND else "MISS") + (f", interval straddles {BOUND}" if lo < BOUND <= hi else "")}
 
 
 def plot(record: dict, path: Path) -> None:
