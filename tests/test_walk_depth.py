@@ -108,3 +108,34 @@ def test_fused_markov_bias_drafts_what_markov_bias_drafts(temps):
         other.model = _with_markov_head(_FakeDSpark(), **kwargs)
         other._markov_key = None
         assert other._markov_matrix(V) is None
+
+
+def test_a_block_shorter_than_k_is_padded_past_its_walk():
+    """A block of d < K positions reaches the runner as K: the later positions
+    (never verified) repeat the last token and confidence; a K block is kept."""
+    from vllm_dspark.proposer.dspark_proposer import DraftOutput, _padded
+
+    tokens, conf = torch.tensor([[4, 7], [1, 2]]), torch.tensor([[0.5, -1.0], [2.0, 3.0]])
+    draft = DraftOutput(tokens, None, conf, 0.1, 2)
+    got = _padded(draft, K)
+    assert got.tokens.tolist() == [[4, 7, 7, 7, 7], [1, 2, 2, 2, 2]]
+    assert got.confidence.tolist() == [[0.5, -1.0, -1.0, -1.0, -1.0], [2.0, 3.0, 3.0, 3.0, 3.0]]
+    assert got.depth == 2 and got.walk_seconds == 0.1
+    assert _padded(got, K) is got
+
+
+@pytest.mark.parametrize("sized", [True, False])
+def test_the_drafting_cost_counts_the_block_the_walk_needs(sized):
+    """With depth-sized blocks a walk d deep is priced at d query positions a
+    block (the cost model's token term), else at K."""
+    from vllm_dspark.controller.cost_model import CostParams
+    from vllm_dspark.controller.costs import StepCosts
+    from vllm_dspark.controller.tuning import ControllerTuning
+
+    costs = StepCosts(K, ControllerTuning(), sized_block=sized)
+    costs.pin(SimpleNamespace(spec=None, plain=None, draft=CostParams(1e-3, 0.0, 1e-4),
+                              walk=CostParams(0.0, 1e-5, 0.0)), "test")
+    assert costs.walk_priced()
+    for depth in (1, 3, K):
+        block = depth if sized else K
+        assert costs.draft_seconds(2, depth) == pytest.approx(1e-3 + 1e-4 * 2 * block + depth * 2e-5)

@@ -85,6 +85,12 @@ class DSparkKnobs(BaseModel):
         "positions on steps where the later positions would not pay for their walk and "
         "verification (priced by an online model of one position's walk). false: always walk K.",
     )
+    depth_sized_block: bool = Field(
+        default=True,
+        description="policy=adaptive: a step that walks d < K positions also runs the drafter's "
+        "parallel stage on a block of d positions (its forward, logits and confidence head shrink "
+        "with it). false: always a block of K positions.",
+    )
     log_every: int = Field(
         default=0, ge=0,
         description="Log a controller summary every N steps (0: quiet).",

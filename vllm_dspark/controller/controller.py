@@ -49,7 +49,7 @@ class DSparkController:
         self.knobs, self.k, self.tuning = knobs, block_len, tuning
         self.policy = make_policy(knobs, tuning)
         self.costs = StepCosts(block_len, tuning, fingerprint, cache_dir if knobs.persist_cost_model else None,
-                               price_walk=knobs.adaptive_depth)
+                               price_walk=knobs.adaptive_depth, sized_block=knobs.depth_sized_block)
         if knobs.cost_curve:
             self.costs.pin(knobs.pinned_curve(), knobs.cost_curve)
         self.acceptance = acceptance or AcceptanceModel(block_len, tuning, calibrate=knobs.calibration)

@@ -2,7 +2,7 @@
 
   verify  T_spec(R, B)   a target step that verifies drafts (R requests, B tokens)
   plain   T_plain(R, B)  a target step that does not
-  draft   T_draft(R)     drafting R blocks, less the Markov walk
+  draft   T_draft(R, B)  drafting R blocks of B query positions in all, less the Markov walk
   walk    T_walk(R)      one position of the Markov walk over R blocks
   nospec  T_none(R, B)   a step run without speculation (plain steps only: what
                          the exploration budget measures speculation against)
@@ -38,7 +38,7 @@ class CostEstimate(NamedTuple):
 
 class StepCosts:
     def __init__(self, block_len: int, tuning: ControllerTuning, fingerprint: str = "",
-                 cache_dir: Path | None = None, price_walk: bool = True):
+                 cache_dir: Path | None = None, price_walk: bool = True, sized_block: bool = False):
         self.k = block_len
         self._overhead_ema = tuning.overhead_ema
 
@@ -48,6 +48,7 @@ class StepCosts:
         self.verify, self.plain, self.draft, self.walk, self.nospec, self.decode = (
             model(k) for k in ("spec", "plain", "draft", "walk", "nospec", "decode"))
         self._price_walk = price_walk  # the adaptive_depth knob
+        self._sized_block = sized_block  # the depth_sized_block knob: a block as deep as its walk
         self._overhead: float | None = None  # verify step minus plain step, same R and B
         self._errors: deque[float] = deque(maxlen=tuning.cost.error_window)  # whole-step prediction error
 
@@ -66,8 +67,13 @@ class StepCosts:
 
     def draft_seconds(self, rows: int, depth: int) -> float:
         """Predicted drafting time for ``rows`` blocks walked ``depth`` deep."""
-        par = self.draft.params.predict(rows, rows * self.k)
-        return par + depth * self.walk.params.predict(rows, 0) if self.walk_priced() else par
+        if not self.walk_priced():
+            return self.draft.params.predict(rows, rows * self.k)
+        return self.draft.params.predict(rows, rows * self.block(depth)) + depth * self.walk.params.predict(rows, 0)
+
+    def block(self, depth: int) -> int:
+        """Query positions per block for a walk ``depth`` deep."""
+        return depth if self._sized_block else self.k
 
     def predict(self, rows: int, prefill: int, depth: int) -> CostEstimate:
         """The next step with ``rows`` decoding requests beside ``prefill``
@@ -108,7 +114,7 @@ class StepCosts:
         if s.drafted:
             walked = s.depth > 0 and s.walk_seconds > 0
             predicted += self.draft_seconds(s.drafted, s.depth if walked else self.k)
-            self.draft.observe(s.drafted, s.drafted * self.k,
+            self.draft.observe(s.drafted, s.drafted * (self.block(s.depth) if walked else self.k),
                                s.draft_seconds - s.walk_seconds if walked else s.draft_seconds)
             if walked:
                 self.walk.observe(s.drafted, 0, s.walk_seconds / s.depth)

@@ -15,9 +15,9 @@ cut-off decided from it non-anticipating.
 
 The walk may stop at a depth d < K the controller chose before drafting (the
 sequential stage costs one step of small ops per position, whatever the batch
-size): positions past d are then never verified, and their tokens and
-confidences come from the parallel stage's argmax alone, which keeps the
-skip rule's survival estimates for the whole block.
+size): positions past d are then never verified. The parallel stage then runs
+a block of d positions too (knob ``depth_sized_block``; else K, whose tokens
+and confidences past d come from the parallel stage's argmax alone).
 """
 
 import copy
@@ -28,6 +28,7 @@ import torch
 from vllm.forward_context import set_forward_context
 from vllm.v1.spec_decode.dflash import DFlashProposer
 
+from vllm_dspark.config import parse_knobs
 from vllm_dspark.layouts import DrafterSpec
 from vllm_dspark.log import get_logger
 from vllm_dspark.proposer.context_queue import ContextQueue
@@ -85,6 +86,7 @@ class DSparkProposer(DFlashProposer):
         self.slots = DrafterSlots()  # which KV slots hold drafter context (for prefix-cache hits)
         self._markov: torch.Tensor | None = None  # see _markov_matrix
         self._markov_key: tuple | None = None
+        self._sized_block = parse_knobs(vllm_config.additional_config).depth_sized_block
         spec = DrafterSpec.of(self.speculative_config.draft_model_config.hf_config)
         if spec.reduced_vocab:
             self._vocab = (spec.draft_vocab_size, spec.vocab_size)
@@ -110,19 +112,25 @@ class DSparkProposer(DFlashProposer):
         them. The runner calls flush_context() first (and times it apart), so
         the skipped steps' context is in the draft KV cache before this step's."""
         k = self.block_len
-        self.num_speculative_tokens = k - 1
+        # A walk d < K deep needs only d query positions: the block's later
+        # masks would be drafted and never verified.
+        block = self._depth if self._sized_block else k
         self._last_draft_probs = None
         batch = common_attn_metadata.batch_size()
         context = self.model.combine_hidden_states(target_hidden_states)
-        num_tokens, _, cad = self.set_inputs_first_pass(
-            target_token_ids=target_token_ids,
-            next_token_ids=next_token_ids,
-            target_positions=target_positions,
-            target_hidden_states=context,
-            token_indices_to_sample=None,
-            cad=common_attn_metadata,
-            num_rejected_tokens_gpu=num_rejected_tokens_gpu,
-        )
+        self.num_speculative_tokens = block - 1  # the DFlash machinery lays the block out from it
+        try:
+            num_tokens, _, cad = self.set_inputs_first_pass(
+                target_token_ids=target_token_ids,
+                next_token_ids=next_token_ids,
+                target_positions=target_positions,
+                target_hidden_states=context,
+                token_indices_to_sample=None,
+                cad=common_attn_metadata,
+                num_rejected_tokens_gpu=num_rejected_tokens_gpu,
+            )
+        finally:
+            self.num_speculative_tokens = k - 1
         _, per_layer = self.build_per_group_and_layer_attn_metadata(cad)
         mode, num_input, across_dp = self._determine_batch_execution_and_padding(num_tokens)
         inputs, slot_size = self.build_model_inputs_first_pass(num_tokens, num_input, None)
@@ -136,9 +144,10 @@ class DSparkProposer(DFlashProposer):
         ):
             hidden = self.model(**inputs)
         self.slots.drafter_wrote(common_attn_metadata.slot_mapping[: target_token_ids.shape[0]])
-        # The query rows are request-major: K consecutive rows per request.
-        hidden = hidden[: batch * k].view(batch, k, -1)
-        draft = self._sample_block(hidden, next_token_ids[:batch].long(), sampling_metadata, self._depth)
+        # The query rows are request-major: ``block`` consecutive rows per request.
+        hidden = hidden[: batch * block].view(batch, block, -1)
+        draft = _padded(self._sample_block(hidden, next_token_ids[:batch].long(), sampling_metadata, self._depth,
+                                           draws=k), k)
         self._last_draft_probs = draft.probs
         self._draft = draft
         return draft.tokens
@@ -211,11 +220,13 @@ class DSparkProposer(DFlashProposer):
 
     @torch.inference_mode()
     def _sample_block(self, hidden: torch.Tensor, anchors: torch.Tensor, sampling_metadata,
-                      depth: int | None = None) -> DraftOutput:
-        """Markov head left to right for ``depth`` positions (default K), then
-        the confidence head. hidden [B, K, H]; anchors [B]. Past ``depth`` the
-        tokens are the parallel stage's argmax and only their confidences are
-        of use."""
+                      depth: int | None = None, draws: int | None = None) -> DraftOutput:
+        """Markov head left to right for ``depth`` positions (default: the
+        block's), then the confidence head. hidden [B, block, H]; anchors [B].
+        Past ``depth`` the tokens are the parallel stage's argmax and only
+        their confidences are of use. ``draws``: uniforms drawn per row
+        (default: the block's), K for every block so that the global RNG moves
+        alike whatever the depth."""
         batch, k, h = hidden.shape
         depth = k if depth is None else max(1, min(depth, k))
         base = self.model.compute_draft_logits(hidden.reshape(batch * k, h)).view(batch, k, -1).float()
@@ -233,7 +244,7 @@ class DSparkProposer(DFlashProposer):
         # request's generator: a request that ends up verifying nothing then
         # consumes exactly the draws it would without speculation. K of them
         # at any depth: the first d positions are drawn alike at every depth.
-        uniforms = torch.rand(batch, k, device=hidden.device) if sampled else None
+        uniforms = torch.rand(batch, draws or k, device=hidden.device) if sampled else None
         t0 = time.perf_counter()
         for i in range(depth):
             embed = self.model.markov_embed(prev)
@@ -266,3 +277,15 @@ class DSparkProposer(DFlashProposer):
         ).view(batch, k).float()
         draft_probs = torch.stack(probs, dim=1) if sampled else None
         return DraftOutput(walked, draft_probs, conf, walk_seconds, depth)
+
+
+def _padded(draft: DraftOutput, k: int) -> DraftOutput:
+    """A block of fewer than K positions as K: every later position repeats
+    its last token and confidence. They are past the walk, so never verified,
+    and the skip rule reads no position past a block's walk (survival.py)."""
+    extra = k - draft.tokens.shape[1]
+    if extra <= 0:
+        return draft
+    tokens = torch.cat([draft.tokens, draft.tokens[:, -1:].expand(-1, extra)], dim=1)
+    conf = torch.cat([draft.confidence, draft.confidence[:, -1:].expand(-1, extra)], dim=1)
+    return draft._replace(tokens=tokens, confidence=conf)
