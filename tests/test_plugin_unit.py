@@ -62,22 +62,48 @@ vllm.plugins.load_general_plugins()   # a second load in the same process
 print(p.registration_info()["registered"], p.registration_info()["calls"])
 """
 
+_STOCK_LLM = """
+from vllm import LLM
+try:
+    LLM(model={target!r}, kv_cache_memory_bytes={kv}, enforce_eager=True, max_model_len=512,
+        speculative_config={{"method": "dspark", "model": {drafter!r}, "num_speculative_tokens": 7}})
+except Exception as e:
+    print("ERROR", e)
+"""
 
-@pytest.mark.parametrize(
-    ("env", "expected"),
-    [
-        ({}, "True 2"),  # discovered through the entry point, idempotent
-        ({"VLLM_DSPARK_ENABLED": "0"}, "False 2"),  # our own off switch
-        ({"VLLM_PLUGINS": "lora_filesystem_resolver"}, "False 0"),  # vLLM's allow-list
-        ({"VLLM_PLUGINS": "dspark"}, "True 2"),
-    ],
-)
-def test_vllm_plugin_loader_gates(env, expected):
-    full_env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_DSPARK_", "VLLM_PLUGINS"))}
-    out = subprocess.run([sys.executable, "-c", _LOAD_PLUGINS], capture_output=True, text=True,
-                         env={**full_env, **env}, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip().splitlines()[-1] == expected
+LOADER_GATES = {
+    "entry point": ({}, "True 2"),  # discovered through the entry point, idempotent
+    "off switch": ({"VLLM_DSPARK_ENABLED": "0"}, "False 2"),  # our own
+    "allow-list without": ({"VLLM_PLUGINS": "lora_filesystem_resolver"}, "False 0"),  # vLLM's
+    "allow-list with": ({"VLLM_PLUGINS": "dspark"}, "True 2"),
+}
+
+
+@pytest.fixture(scope="module")
+def vllm_processes():
+    """Each check below needs a fresh process importing vLLM (10-20 s apiece
+    on 2 cores): all start at once, and each test reads its own."""
+    from vllm_dspark.benchmarking import KV_CACHE_BYTES
+
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_DSPARK_", "VLLM_PLUGINS"))}
+    jobs = {name: (_LOAD_PLUGINS, {**clean, **env}) for name, (env, _) in LOADER_GATES.items()}
+    stock = _STOCK_LLM.format(target=str(REPO / "examples/models/tiny-qwen3"), kv=KV_CACHE_BYTES,
+                              drafter=str(REPO / "examples/models/tiny-qwen3-dspark"))
+    jobs["stock"] = (stock, {**os.environ, "VLLM_DSPARK_ENABLED": "0"})
+    procs = {name: subprocess.Popen([sys.executable, "-c", code], env=env, text=True, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE) for name, (code, env) in jobs.items()}
+    done = {}
+    for name, proc in procs.items():
+        out, err = proc.communicate(timeout=600)
+        done[name] = (proc.returncode, out, err)
+    return done
+
+
+@pytest.mark.parametrize("gate", LOADER_GATES)
+def test_vllm_plugin_loader_gates(gate, vllm_processes):
+    code, out, err = vllm_processes[gate]
+    assert code == 0, err[-2000:]
+    assert out.strip().splitlines()[-1] == LOADER_GATES[gate][1], err[-2000:]
 
 
 def test_ledger_matches_installed_vllm():
@@ -130,22 +156,10 @@ def test_modules_stay_readable():
     assert len((REPO / "README.md").read_text().splitlines()) <= 250
 
 
-def test_without_the_plugin_vllm_rejects_dspark_on_cpu():
+def test_without_the_plugin_vllm_rejects_dspark_on_cpu(vllm_processes):
     """What the plugin changes: the same LLM() call fails in stock vLLM."""
-    from vllm_dspark.benchmarking import KV_CACHE_BYTES
-
-    code = (
-        "from vllm import LLM\n"
-        "try:\n"
-        f"    LLM(model={str(REPO / 'examples/models/tiny-qwen3')!r}, kv_cache_memory_bytes={KV_CACHE_BYTES},"
-        f" enforce_eager=True, max_model_len=512, speculative_config={{'method': 'dspark', 'model':"
-        f" {str(REPO / 'examples/models/tiny-qwen3-dspark')!r}, 'num_speculative_tokens': 7}})\n"
-        "except Exception as e:\n"
-        "    print('ERROR', e)\n"
-    )
-    env = {**os.environ, "VLLM_DSPARK_ENABLED": "0"}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
-    assert "Model Runner V1 does not support: dspark speculative decoding" in out.stdout, out.stderr[-2000:]
+    _, out, err = vllm_processes["stock"]
+    assert "Model Runner V1 does not support: dspark speculative decoding" in out, err[-2000:]
 
 
 def test_post_step_round_trip_skipped_only_for_dspark_scheduler():
@@ -447,3 +461,40 @@ def test_knobs_and_cost_curve_are_read_once_per_version(tmp_path):
     assert knobs.pinned_curve() is load_cost_curve(path)
     path.write_text(json.dumps({"spec": {"t0": 0.02, "t_req": 0.0, "t_tok": 0.001}, "name": "changed, longer"}))
     assert load_cost_curve(path).spec.t0 == 0.02
+
+
+def test_snapshot_writer_ends_with_its_runner_and_at_stop(tmp_path, monkeypatch):
+    """The metrics thread holds the runner weakly: once the runner is gone
+    (an engine run in the caller's process, shut down) the thread ends
+    instead of keeping the runner, its weights and KV cache alive; stop()
+    (also registered at exit) ends it while the runner lives."""
+    import gc
+    import json
+
+    from vllm_dspark import metrics
+
+    monkeypatch.setattr(metrics, "SNAPSHOT_INTERVAL_S", 0.01)
+
+    class Runner:
+        def __init__(self, n):
+            self.n = n
+
+        def snapshot(self) -> dict:
+            return {"n": self.n}
+
+    runner = Runner(1)
+    writer = metrics.SnapshotWriter(tmp_path / "a", 0, runner.snapshot)
+    for _ in range(200):  # up to 2 s for the first write
+        if writer.path.exists():
+            break
+        writer._stop.wait(0.01)
+    assert json.loads(writer.path.read_text()) == {"n": 1}
+    del runner
+    gc.collect()
+    writer._thread.join(timeout=2)
+    assert not writer._thread.is_alive(), "the thread outlived its runner"
+
+    kept = Runner(2)
+    writer = metrics.SnapshotWriter(tmp_path / "b", 0, kept.snapshot)
+    writer.stop()
+    assert not writer._thread.is_alive()

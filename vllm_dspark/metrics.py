@@ -20,11 +20,12 @@ Exported (all prefixed vllm_dspark:):
   calibration_ece{mode,position,kind}  raw / calibrated, per draft position
 """
 
+import atexit
 import json
 import os
 import tempfile
 import threading
-import time
+import weakref
 from pathlib import Path
 
 SNAPSHOT_INTERVAL_S = 0.5
@@ -36,27 +37,44 @@ def snapshot_dir(instance_id: str) -> Path:
 
 
 class SnapshotWriter:
-    """Writes ``snapshot_fn()`` (a JSON-able dict) every SNAPSHOT_INTERVAL_S
-    from a daemon thread (off the step path; the tail of a burst lands within
-    one interval)."""
+    """Writes ``snapshot_fn()`` (a JSON-able dict, from a bound method) every
+    SNAPSHOT_INTERVAL_S from a daemon thread (off the step path; the tail of a
+    burst lands within one interval). The thread holds the method's owner
+    weakly and ends with it: an engine run in the caller's process
+    (VLLM_ENABLE_V1_MULTIPROCESSING=0) would otherwise keep its runner, weights
+    and KV cache alive after shutdown, and a thread still inside a snapshot at
+    interpreter exit aborts the process; the thread is stopped before that."""
 
     def __init__(self, directory: Path | None, rank: int, snapshot_fn):
         self.path = directory / f"worker-{rank}.json" if directory else None
-        self._fn = snapshot_fn
-        self._last = None
+        self._stop = threading.Event()
+        self._thread = None
         if self.path is not None:
-            threading.Thread(target=self._loop, name="dspark-metrics", daemon=True).start()
+            self._thread = threading.Thread(target=_write_loop, name="dspark-metrics", daemon=True,
+                                            args=(weakref.WeakMethod(snapshot_fn), self.path, self._stop))
+            self._thread.start()
+            atexit.register(self.stop)
 
-    def _loop(self) -> None:
-        while True:
-            time.sleep(SNAPSHOT_INTERVAL_S)
-            try:
-                snap = self._fn()
-                if snap != self._last:
-                    write_json_atomic(self.path, snap)
-                    self._last = snap
-            except Exception:  # metrics must never take the worker down
-                continue
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2 * SNAPSHOT_INTERVAL_S)
+
+
+def _write_loop(method: weakref.WeakMethod, path: Path, stop: threading.Event) -> None:
+    last = None
+    while not stop.wait(SNAPSHOT_INTERVAL_S):
+        fn = method()
+        if fn is None:  # the runner is gone
+            return
+        try:
+            snap = fn()
+            if snap != last:
+                write_json_atomic(path, snap)
+                last = snap
+        except Exception:  # metrics must never take the worker down
+            pass
+        del fn  # hold the runner only while reading it
 
 
 def write_json_atomic(path: Path, data) -> None:

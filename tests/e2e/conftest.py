@@ -2,6 +2,7 @@
 set, and a no-speculation reference computed once per session (one engine
 alive at a time keeps memory and the 2 cores free)."""
 
+import contextlib
 import os
 
 import pytest
@@ -32,10 +33,48 @@ def greedy_params(max_tokens: int = IDENTITY_TOKENS, **kw):
 TEST_DTYPE = "float32"
 
 
-def make_llm(**kw):
+# An engine in the test's own process: vLLM's engine core and worker run in
+# pytest's process instead of two processes of their own, each of which
+# imports vLLM (about 13 s apiece on an AMD EPYC without AVX-512: an engine
+# took 35-60 s to start there, in-process 5 s). The scheduler, runner, plugin
+# and sampler are the same code. The process layout users get is kept by the
+# no-spec reference (the plugin registers in the worker's own process),
+# test_dspark_engine.py (the defaults, through LLM()), test_serve.py and
+# test_tensor_parallel.py.
+IN_PROCESS_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+                  "VLLM_CPU_OMP_THREADS_BIND": "nobind"}  # no pinning of pytest's own process
+
+
+@contextlib.contextmanager
+def _process_layout(in_process: bool):
+    """vLLM reads these at engine construction; an in-process engine core
+    then caches vLLM's environment (vllm.envs.enable_envs_cache), so the
+    cache is dropped on both sides and the variables restored after."""
+    import vllm.envs
+
+    saved = {k: os.environ.get(k) for k in IN_PROCESS_ENV}
+    if in_process:
+        os.environ.update(IN_PROCESS_ENV)
+    else:
+        for k in IN_PROCESS_ENV:
+            os.environ.pop(k, None)
+    vllm.envs.disable_envs_cache()
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        vllm.envs.disable_envs_cache()
+
+
+def make_llm(in_process: bool = True, **kw):
     # collective_rpc ships small lambdas to the worker in these tests.
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
-    return start_engine(str(TARGET_DIR), max_num_seqs=16, dtype=TEST_DTYPE, **kw)
+    with _process_layout(in_process):
+        return start_engine(str(TARGET_DIR), max_num_seqs=16, dtype=TEST_DTYPE, **kw)
 
 
 @pytest.fixture(scope="session")
@@ -47,7 +86,7 @@ def identity_prompts(heldout_prompts) -> list[str]:
 def nospec_reference(identity_prompts):
     """Greedy no-speculation outputs (token ids and text) for the identity
     prompts, plus what the plugin-discovery and determinism tests need."""
-    llm = make_llm()
+    llm = make_llm(in_process=False)
     try:
         first = llm.generate(identity_prompts, greedy_params(), use_tqdm=False)
         second = llm.generate(identity_prompts[:8], greedy_params(48), use_tqdm=False)

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.e2e
 
 @pytest.fixture(scope="module")
 def llm(nospec_reference):  # the reference engine runs (and stops) first
-    engine = make_llm(speculative_config=dspark_config(7))
+    engine = make_llm(in_process=False, speculative_config=dspark_config(7))
     yield engine
     stop_engine(engine)
 

@@ -15,7 +15,8 @@ import sys
 import pytest
 
 from tests.conftest import DRAFTER_DIR, REPO, TARGET_DIR
-from tests.e2e.conftest import assert_second_token_follows_target, greedy_params, make_llm, spec_counters, stop_engine
+from tests.e2e.conftest import (IN_PROCESS_ENV, assert_second_token_follows_target, greedy_params, make_llm,
+                                spec_counters, stop_engine)
 from vllm_dspark.convert import convert
 
 pytestmark = pytest.mark.e2e
@@ -48,7 +49,8 @@ def _fake_hub_cache(root):
 @pytest.fixture(scope="module")
 def hub_native(tmp_path_factory):
     cache = _fake_hub_cache(tmp_path_factory.mktemp("hf_cache"))
-    env = {**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
+    env = {**os.environ, **IN_PROCESS_ENV, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1",
+           "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
     run = subprocess.run([sys.executable, str(REPO / "tests" / "e2e" / "hub_id_run.py"), HUB_ID, str(PROMPTS),
                           str(TOKENS)], env=env, cwd=REPO, capture_output=True, text=True, timeout=420)
     lines = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]
