@@ -9,7 +9,9 @@
 
 Regimes: `native` (the CPU as it is) and `avx2cap` (ONEDNN_MAX_CPU_ISA=AVX2: vLLM's bf16 linear
 layers fall back to torch, as on a CPU without AVX-512). The cap must be set before torch is
-imported, so every run of a cell is a process of its own (benchmarks/matrix_worker.py). Arms: nospec,
+imported, so every run of a cell is a process of its own (benchmarks/matrix_worker.py). On a CPU
+without AVX-512 the native regime is the AVX2 one, run for real: its cells are keyed `avx2` (never
+pooled with an AVX-512 CPU's `native` ones), and the cap, which changes nothing there, is skipped. Arms: nospec,
 dspark-k7 and dspark-k3 (full blocks), dspark-adaptive (K=7, default policy); every engine or
 server starts with a fresh cost cache (cold start).
 
@@ -75,6 +77,13 @@ UNITS = {"waves": "tok/s", "poisson-light": "tok/s a request (1000/median TPOT)"
 EST = {"worker": 12, "engine": 18, "server": 22, "client": 10}
 EST_TOKS = {1: 300, 4: 900, 16: 2000, SOAK_C: 1300, 64: 3500}
 EST_AVX2 = 2.0
+
+
+def regime_label(regime: str, cpu_flags) -> str | None:
+    """The regime a cell of this CPU records (None: the regime cannot run here)."""
+    if "avx512f" in cpu_flags:
+        return regime
+    return "avx2" if regime == "native" else None
 
 
 def spawn(job: dict, regime: str, work: Path) -> dict:
@@ -223,7 +232,7 @@ def serve_rate(args, record: dict, regime: str, dtype: str, heavy: bool) -> tupl
 
 def estimate_s(args, regime: str, workload: str) -> float:
     """One run of a cell, by --dry-run's rough cost model (EST, EST_TOKS)."""
-    arms, slow = len(args.arms), EST_AVX2 if regime == "avx2cap" else 1.0
+    arms, slow = len(args.arms), EST_AVX2 if regime in ("avx2cap", "avx2") else 1.0
     if workload == "waves":
         work = sum((args.rounds * arms + 2 * args.pairs) * c * max(2, 4 // c) * args.max_tokens / EST_TOKS.get(c, 1500)
                    for c in args.concurrency)
@@ -272,19 +281,23 @@ def main(argv=None) -> dict:
 
     record = json.loads(args.out.read_text()) if args.out.exists() else {}
     record.setdefault("cells", {})
-    plan = []
+    plan, machine = [], machine_info()
     for regime in args.regimes:
+        label = regime_label(regime, machine["cpu_flags"])
+        if label is None:
+            print(f"[matrix] {regime}: skipped, this CPU ({machine['cpu']}) has no AVX-512: native is that regime")
+            continue
         for dtype in args.dtypes:
             for workload in args.workloads:
-                key, want = f"{regime}/{dtype}/{workload}", settings(args, workload)
+                key, want = f"{label}/{dtype}/{workload}", settings(args, workload)
                 cell = record["cells"].get(key)
                 have = len(cell["runs"]) if cell and cell.get("settings") == want and not args.fresh else 0
-                plan.append((key, regime, dtype, workload, want, have, max(0, args.runs - have)))
-    total = sum(p[6] * estimate_s(args, p[1], p[3]) for p in plan)
-    for key, regime, _, workload, _, have, todo in plan:
+                plan.append((key, regime, label, dtype, workload, want, have, max(0, args.runs - have)))
+    total = sum(p[7] * estimate_s(args, p[2], p[4]) for p in plan)
+    for key, _, label, _, workload, _, have, todo in plan:
         print(f"[matrix] plan {key}: {todo} run(s) to do ({have} pooled), "
-              f"~{estimate_s(args, regime, workload) / 60:.1f} min a run")
-    print(f"[matrix] estimated total {total / 60:.0f} min ({total / 3600:.1f} h) for {sum(p[6] for p in plan)} runs")
+              f"~{estimate_s(args, label, workload) / 60:.1f} min a run")
+    print(f"[matrix] estimated total {total / 60:.0f} min ({total / 3600:.1f} h) for {sum(p[7] for p in plan)} runs")
     if args.dry_run:
         return record
     if args.out.exists() and args.out.parent.resolve() == LATEST.resolve():
@@ -294,11 +307,12 @@ def main(argv=None) -> dict:
             archive(args.out)  # another commit's record goes to history/; its cells stay in the merge
     work, t_all = Path(tempfile.mkdtemp(prefix="dspark_matrix_")), time.time()
     print(f"[matrix] logs in {work}", flush=True)
-    for n, (key, regime, dtype, workload, want, have, todo) in enumerate(plan, 1):
+    for n, (key, regime, label, dtype, workload, want, have, todo) in enumerate(plan, 1):
         if not todo:
             print(f"[matrix] {key}: {have} run(s) of these settings already in the record, skipped")
             continue
-        cell = {"regime": regime, "dtype": dtype, "workload": workload, "unit": UNITS[workload], "settings": want,
+        cell = {"regime": label, "cpu": machine["cpu"], "dtype": dtype, "workload": workload,
+                "unit": UNITS[workload], "settings": want,
                 "runs": record["cells"][key]["runs"] if have else []}
         for i in range(todo):
             job = {**want, "target": args.target, "drafter": args.drafter, "workload": workload, "dtype": dtype,
@@ -306,7 +320,7 @@ def main(argv=None) -> dict:
                    "serve_tokens": args.serve_tokens, "serve_prompts": args.serve_prompts,
                    "serve_rounds": args.serve_rounds, "concurrency": args.concurrency}
             if workload.startswith("poisson"):
-                job["rate"], cell["rate_source"] = serve_rate(args, record, regime, dtype, workload.endswith("heavy"))
+                job["rate"], cell["rate_source"] = serve_rate(args, record, label, dtype, workload.endswith("heavy"))
                 print(f"[matrix] {key}: {job['rate']:.2f} req/s, {cell['rate_source']}", flush=True)
             t0 = time.time()
             print(f"[matrix] {key} run {have + i + 1}/{have + todo} (cell {n} of {len(plan)})", flush=True)
@@ -322,7 +336,7 @@ def main(argv=None) -> dict:
             print(f"[matrix] {key} run done in {time.time() - t0:.0f} s (elapsed {(time.time() - t_all) / 60:.1f} min)")
             for label, row in cell["summary"].items():
                 print(f"[matrix] {key} {label}: {row_line(row)}", flush=True)
-    record.update(benchmark="matrix", machine=machine_info(), target=args.target, drafter=args.drafter,
+    record.update(benchmark="matrix", machine=machine, target=args.target, drafter=args.drafter,
                   command=" ".join(["python", "benchmarks/bench_matrix.py", *argv]),
                   note="each cell's runs carry their own provenance (commit, env, CPU, engine dtype and KV "
                   "bytes); the provenance file beside this record is of the last invocation only")
