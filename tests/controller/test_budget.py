@@ -237,26 +237,26 @@ def test_an_exploring_episode_is_a_trial_that_drafts_whatever_the_models_say():
     b.settle(_plain())
     d = Dormancy(TUNING, after, b)
     d.heed(True, 0.0, 1)  # curious: the models know too little
-    assert not d.dormant and d.on_trial
+    assert not d.dormant and d.on_trial(1)
     gate = DraftGate(7, TUNING, None)
-    assert gate.drafts(-1.0, STEP, 1, NO_STEP, _costs(), d.on_trial)  # a losing verdict, drafted anyway
-    assert not gate.drafts(-1.0, STEP, 0, NO_STEP, _costs(), d.on_trial)  # but never without context
+    assert gate.drafts(-1.0, STEP, 1, NO_STEP, _costs(), d.on_trial(1))  # a losing verdict, drafted anyway
+    assert not gate.drafts(-1.0, STEP, 0, NO_STEP, _costs(), d.on_trial(1))  # but never without context
     for _ in range(after):
         d.remember(True)  # the window full of skips, and a settled verdict that drafting loses...
-    d.update(-1.0, 1.0, 0.0, settled=True)
+    d.update(-1.0, 1.0, 0.0, settled=True, rows=1)
     assert not d.dormant  # ...does not end the trial
     for _ in range(TUNING.trial_steps):
         d.remember(False)
-    assert not d.on_trial
+    assert not d.on_trial(1)
     for _ in range(after):
         d.remember(True)
-    d.update(-1.0, 1.0, 0.0, settled=True)
-    assert d.dormant and not d.on_trial
+    d.update(-1.0, 1.0, 0.0, settled=True, rows=1)
+    assert d.dormant and not d.on_trial(1)
     # Woken where the models say drafting pays: no trial.
     d._paying = TUNING.dormant_exit_checks
     b.close()
     d.heed(False, 0.0, 1)
-    assert not d.dormant and not d.on_trial
+    assert not d.dormant and not d.on_trial(1)
 
 
 def test_an_episode_measured_gaining_stays_on_trial_whatever_the_models_say():
@@ -273,27 +273,79 @@ def test_an_episode_measured_gaining_stays_on_trial_whatever_the_models_say():
     d.heed(True, 0.0, 1)  # curious: an exploring episode opens
     for _ in range(n):
         d.remember(False)  # its trial drafted...
-    assert not d.on_trial  # ...and nothing was priced
+    assert not d.on_trial(1)  # ...and nothing was priced
     # 1 request + 2 drafts, both accepted: 3 tokens in 1.2 plain steps' time.
     gaining = StepSample(1, 3, True, 1.2 * STEP, 0.2 * STEP, 1, plain=False, draft_tokens=2, accepted=2)
     for _ in range(n - 1):
         b.settle(gaining)
-    assert not b.gaining  # one priced step short
+    assert not b.gaining(1)  # one priced step short
     b.settle(gaining)
-    assert b.gaining and d.on_trial
+    assert b.gaining(1) and d.on_trial(1)
     for _ in range(after):
         d.remember(True)  # the window full of skips, and a settled verdict that drafting loses...
-    d.update(-1.0, 1.0, 0.0, settled=True)
+    d.update(-1.0, 1.0, 0.0, settled=True, rows=1)
     assert not d.dormant  # ...does not end a gaining episode
     losing = StepSample(1, 3, True, 4.0 * STEP, STEP, 1, plain=False, draft_tokens=2, accepted=0)
-    while b.gaining:
+    while b.gaining(1):
         b.settle(losing)
-    assert b.excess > 0 and not d.on_trial
-    d.update(-1.0, 1.0, 0.0, settled=True)
+    assert b.excess > 0 and not d.on_trial(1)
+    d.update(-1.0, 1.0, 0.0, settled=True, rows=1)
     assert d.dormant
     b.close()
     b.open(False, 1)
-    assert not b.gaining  # a new episode measures afresh
+    assert not b.gaining(1)  # a new episode measures afresh
+
+
+def test_a_gain_holds_at_the_batch_size_it_was_measured_at_only():
+    """A gain measured at one request does not keep an episode drafting
+    against the models at 16 (where the models' rule then ends it), and a
+    batch size whose episode ended gaining is remembered: dormant there
+    again, the next episode is due whatever the models say; one that ends
+    losing there forgets it."""
+    from vllm_dspark.controller.dormancy import Dormancy
+
+    after, n = 32, TUNING.trial_steps
+    b = _budget()
+    b.settle(_plain())
+    b.settle(_plain(16))
+    d = Dormancy(TUNING, after, b)
+    d.heed(True, 0.0, 1)  # an exploring episode opens at one request
+    for _ in range(n):
+        d.remember(False)
+    gaining = StepSample(1, 3, True, 1.2 * STEP, 0.2 * STEP, 1, plain=False, draft_tokens=2, accepted=2)
+    for _ in range(n):
+        b.settle(gaining)
+    assert b.gaining(1) and not b.gaining(16)  # the load moved to 16 requests...
+    b.settle(StepSample(16, 48, True, 3 * STEP, STEP, 16, plain=False, draft_tokens=32, accepted=0))  # ...loses there
+    assert not b.full
+    for _ in range(after):
+        d.remember(True)
+    d.update(-1.0, 1.0, 0.0, settled=True, rows=16)
+    assert d.dormant  # the models' rule ends it there
+    d.heed(False, 0.0, 16)  # the episode closes, gaining at one request
+    assert b.gained(1) and not b.gained(16)
+    d.heed(False, 0.0, 16)
+    assert d.dormant  # at 16 nothing is due
+    d.heed(False, 0.0, 1)
+    assert not d.dormant and d.exploring  # back at one request: due, and a trial
+    losing = StepSample(1, 3, True, 1.5 * STEP, 0.2 * STEP, 1, plain=False, draft_tokens=2, accepted=0)
+    for _ in range(n):
+        b.settle(losing)
+    b.close()
+    assert not b.gained(1)
+
+
+def test_a_full_balance_stays_full_while_the_step_price_moves():
+    """The cap is in plain steps at the current price; a balance clamped to
+    it stays full though the price then moves up, until something is spent."""
+    b = _budget()
+    for _ in range(int(TUNING.budget_cap_steps / TUNING.budget_share) + 100):  # 1% of each plain step, to 64 steps
+        b.settle(_plain())
+    assert b.full
+    b._step *= 1.05  # the decoded step's price moves up a little
+    assert b.full
+    b.settle(StepSample(1, 3, True, 3.0 * STEP, STEP, 1, plain=False, draft_tokens=2, accepted=0))
+    assert not b.full
 
 
 def test_a_gaining_episode_keeps_its_explore_steps():

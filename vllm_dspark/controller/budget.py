@@ -39,6 +39,15 @@ the other models believe. A speculating step at a batch size
 or token count the nospec model has not seen lately is not priced; enough of
 them in a row end the episode, so plain steps measure it; none starts at a
 batch size the nospec model has not measured.
+
+What an episode measured is kept per batch size (a power of two): it is
+gaining at the batch size of this step only (a gain banked at one request
+must not keep drafting on at 16, where the models say it loses), and a batch
+size where an episode ended gaining is remembered, so that the next episode
+there is due whenever the engine is dormant at it, whatever the models say
+(at one request their verdict was wrong both ways; without this memory an
+engine that slept at 16 requests stayed plain at one, where it had gained
+13-20%, for the rest of the run). Such an episode is measured afresh.
 """
 
 import math
@@ -57,6 +66,7 @@ class ExplorationBudget:
         self._share, self._cap, self._reserve = t.budget_share, t.budget_cap_steps, t.episode_tokens
         self._warmup, self._max_unpriced = t.budget_warmup_steps, t.budget_unpriced_steps
         self.balance = 0.0  # seconds
+        self._at_cap = False  # the balance reached its cap, nothing spent since
         self.excess = 0.0  # seconds speculation cost over no speculation, all steps so far
         self.nospec_seconds = 0.0  # what no speculation would have taken for everything so far
         self._unpriced = 0  # speculating steps in a row the nospec model could not price
@@ -66,7 +76,9 @@ class ExplorationBudget:
         self._opened = 0.0  # the balance the last episode opened with
         self._episode: int | None = None  # the open episode's batch-size class (None: none open)
         self._min_gain_steps = t.trial_steps
-        self._gain = (0.0, 0)  # the open episode's excess so far, over how many priced speculating steps
+        # The open episode's excess and priced speculating steps, per batch-size class.
+        self._gain: dict[int, tuple[float, int]] = {}
+        self._won: set[int] = set()  # batch-size classes whose last measured episode gained
         # Per batch-size class after a losing episode: (the balance it must regain, the losses in a row there).
         self._marks: dict[int, tuple[float, int]] = {}
         self._granted: set[int] = set()  # batch-size classes whose first reserve was granted
@@ -101,17 +113,19 @@ class ExplorationBudget:
                 # saved: charged from below, never as a gain. Decode steps at an unseen batch size
                 # stay unpriced (their first drafter calls carry one-time costs; plain steps measure).
                 excess = max(0.0, s.draft_seconds + s.extra_seconds - s.accepted * self._token)
-                self._charge(max(s.seconds + s.extra_seconds - excess, 0.0), excess, priced=False)
+                self._charge(max(s.seconds + s.extra_seconds - excess, 0.0), excess, s.reqs, priced=False)
             return
         self._unpriced = 0
         baseline = (nospec.params.predict(s.reqs, s.tokens - s.draft_tokens) if prompts else self._step)
         baseline += s.accepted * self._token
-        self._charge(baseline, s.seconds + s.extra_seconds - baseline)
+        self._charge(baseline, s.seconds + s.extra_seconds - baseline, s.reqs)
 
-    def _charge(self, baseline: float, excess: float, priced: bool = True) -> None:
-        """A speculating step took ``excess`` over the ``baseline`` no speculation would have."""
+    def _charge(self, baseline: float, excess: float, reqs: int, priced: bool = True) -> None:
+        """A speculating step of ``reqs`` requests took ``excess`` over the
+        ``baseline`` no speculation would have."""
         self.excess += excess
-        self._gain = (self._gain[0] + excess, self._gain[1] + priced)
+        gained, steps = self._gain.get(reqs.bit_length(), (0.0, 0))
+        self._gain[reqs.bit_length()] = (gained + excess, steps + priced)
         self._pay_in(baseline, self._share * baseline - excess)
 
     def earn(self, seconds: float) -> None:
@@ -130,7 +144,13 @@ class ExplorationBudget:
         """A priced step: no speculation would have taken ``baseline``; the
         balance moves by ``amount``, up to the cap."""
         self.nospec_seconds += baseline
-        self.balance = min(self._cap * self._step, self.balance + amount)
+        cap = self._cap * self._step
+        if amount < 0:
+            self._at_cap = False
+        if self.balance + amount >= cap:
+            self.balance, self._at_cap = cap, True
+        else:
+            self.balance += amount
 
     def open(self, sure: bool, rows: int) -> None:
         """An episode starts. While its requests' drafter context builds up
@@ -139,7 +159,7 @@ class ExplorationBudget:
         cap where models that have seen enough drafting say it pays
         (``sure``), else by what the balance holds now."""
         self._credit = self._cap if sure else max(self.balance, 0.0) / self._step
-        self._opened, self._episode, self._gain = self.balance, rows.bit_length(), (0.0, 0)
+        self._opened, self._episode, self._gain = self.balance, rows.bit_length(), {}
 
     @property
     def episode_open(self) -> bool:
@@ -148,7 +168,12 @@ class ExplorationBudget:
     def close(self) -> None:
         """The episode ended. One that lost (or could not be priced) marks
         its batch size: the next episode there waits until the loss is
-        earned back, twice that after two in a row, and so on."""
+        earned back, twice that after two in a row, and so on. Each batch
+        size it measured over ``trial_steps`` priced steps is remembered as
+        gaining or not."""
+        for rows_class, (excess, steps) in self._gain.items():
+            if steps >= self._min_gain_steps:
+                (self._won.add if excess < 0 else self._won.discard)(rows_class)
         unpriced = self._unpriced >= self._max_unpriced
         if self.balance < self._opened or unpriced:
             # An unpriced episode measured nothing: count it as a reserve lost.
@@ -180,17 +205,24 @@ class ExplorationBudget:
         earn first has been earned: the next one is due."""
         return rows.bit_length() in self._marks and self.affords_episode(False, rows)
 
-    @property
-    def gaining(self) -> bool:
-        """The open episode's priced speculating steps, at least ``trial_steps``
-        of them, took less than no speculation would have: measured, whatever
-        the models say."""
-        excess, steps = self._gain
+    def gaining(self, rows: int) -> bool:
+        """The open episode's priced speculating steps at about ``rows``
+        requests, at least ``trial_steps`` of them, took less than no
+        speculation would have: measured, whatever the models say."""
+        excess, steps = self._gain.get(rows.bit_length(), (0.0, 0))
         return self._episode is not None and steps >= self._min_gain_steps and excess < 0
+
+    def gained(self, rows: int) -> bool:
+        """The last episode measured at about ``rows`` requests gained: the
+        next one there is due once affordable."""
+        return rows.bit_length() in self._won
 
     @property
     def full(self) -> bool:
-        return self._step > 0 and self.balance >= self._cap * self._step
+        """The balance reached its cap and nothing was spent since (the cap
+        follows a decoded step's price, which moves with its model: compared
+        with it, a full balance flickered)."""
+        return self._step > 0 and self._at_cap
 
     def _room(self, building: float) -> float:
         """What the episode may still lose: a reserve, and its credit for

@@ -165,7 +165,7 @@ class DSparkController:
         assessment = gate.assess(estimate, self.costs, self._view, rows)
         verdict = assessment.best()
         curious = not self.costs.draft.trusted
-        dormancy.update(verdict.net, verdict.spend, self.costs.model_error(), settled=not curious)
+        dormancy.update(verdict.net, verdict.spend, self.costs.model_error(), settled=not curious, rows=rows)
         dormancy.heed(curious, self._building, rows)
         contexts = self._admit(requests)
         if dormancy.dormant or (dormancy.guarded and self.budget.draft_tokens(self._building) == 0):
@@ -177,7 +177,7 @@ class DSparkController:
                 verdict = assessment.best(counts)
         self.depth = self.k if self.acceptance.window.deep_stale(self.steps) else verdict.depth  # survival.py
         if gate.drafts(verdict.net, assessment.plain, contexts, self._view, self.costs, dormancy.exploring,
-                       dormancy.gaining):
+                       dormancy.gaining(rows)):
             return self._draft()
         return self._skip(counted=contexts > 0)  # for want of context: no verdict on drafting
 

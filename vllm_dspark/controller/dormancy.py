@@ -66,12 +66,13 @@ class Dormancy:
         """``n`` steps of the run the last cheap_skip allowed skipped as well."""
         self._cheap += n
 
-    def update(self, net: float, spend: float, model_error: float, settled: bool) -> None:
-        """The rule ran: drafting would save ``net`` seconds for ``spend``
-        (``settled``: by models that have seen enough drafting to say so)."""
+    def update(self, net: float, spend: float, model_error: float, settled: bool, rows: int) -> None:
+        """The rule ran at ``rows`` requests: drafting would save ``net``
+        seconds for ``spend`` (``settled``: by models that have seen enough
+        drafting to say so)."""
         if self.dormant:
             self._paying = self._paying + 1 if net > model_error * spend else 0
-        elif not self.on_trial:
+        elif not self.on_trial(rows):
             recent = self._recent
             if (self.enabled and settled and len(recent) == recent.maxlen and net <= 0
                     and self._recent_skipped >= self._share * recent.maxlen):
@@ -92,8 +93,8 @@ class Dormancy:
         (on credit, more where they are not ``curious``: budget.py), or,
         while the budget holds its reserve, where they know too little to say
         (``curious``), where the last episode lost and its loss is earned
-        back, or where the balance is full (re-testing a verdict that may be
-        stale); it ends as soon as the budget is spent (``building``: the
+        back, where the last one measured gained, or where the balance is
+        full (re-testing a verdict that may be stale); it ends as soon as the budget is spent (``building``: the
         share of the batch without drafter context)."""
         budget = self.budget
         if budget is None:
@@ -103,7 +104,8 @@ class Dormancy:
             if budget.episode_open:  # ended since (by the models' rule)
                 budget.close()
             pays = self.pays
-            if budget.affords_episode(pays, rows) and (pays or curious or budget.full or budget.retest_due(rows)):
+            due = budget.full or budget.retest_due(rows) or budget.gained(rows)
+            if budget.affords_episode(pays, rows) and (pays or curious or due):
                 budget.open(pays and not curious, rows)
                 self.wake()
                 self._trial = 0 if pays else self._trial_steps
@@ -124,16 +126,14 @@ class Dormancy:
         """An exploring episode's first ``trial_steps`` steps with context."""
         return not self.dormant and self._trial > 0
 
-    @property
-    def gaining(self) -> bool:
-        """An episode is open that the budget measures gaining on no speculation."""
-        return not self.dormant and self.budget is not None and self.budget.gaining
+    def gaining(self, rows: int) -> bool:
+        """An episode is open that the budget measures gaining on no speculation at ``rows`` requests."""
+        return not self.dormant and self.budget is not None and self.budget.gaining(rows)
 
-    @property
-    def on_trial(self) -> bool:
+    def on_trial(self, rows: int) -> bool:
         """An episode is open and drafts whatever the models say: exploring,
-        or gaining (where the models' rule cannot end it)."""
-        return self.exploring or self.gaining
+        or gaining at this batch size (where the models' rule cannot end it)."""
+        return self.exploring or self.gaining(rows)
 
     def remember(self, skipped: bool) -> None:
         """This step did (not) skip drafting."""
