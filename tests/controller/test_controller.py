@@ -539,6 +539,30 @@ def test_dormancy_ends_only_where_drafting_pays_beyond_the_cost_models_error():
     assert ends[0] is None and ends[1] is not None and ends[2] is None
 
 
+def test_a_pinned_curve_ends_dormancy_however_far_off_this_machine_is(tmp_path):
+    """With a cost curve pinned from a file, the choice must not depend on how
+    fast this machine is: measured steps 500% off the curve do not keep a
+    dormant engine plain where the curve says drafting pays (in CI, an engine
+    slept during one statistical test and never drafted in the next)."""
+    import json
+
+    path = tmp_path / "curve.json"
+    path.write_text(json.dumps({"name": "t", "spec": {"t0": 5e-3, "t_req": 1e-4, "t_tok": 1e-4},
+                                "draft": {"t0": 3e-4, "t_req": 1e-5, "t_tok": 1e-6}}))
+    ctl = _skip_rule_ctl(dormant_after_steps=16, cost_curve=str(path))
+    ctl.costs.pin(ctl.knobs.pinned_curve(), str(path))
+    assert ctl.dormancy.budget is None
+    ctl.dormancy.sleep()
+    ctl.costs._errors.extend([5.0] * 10)
+    ctl.ledger.lose_all(["a"])
+    woke = False
+    for _ in range(4 * TUNING.dormant_recheck_every):
+        _start(ctl, waiting=0, running=8)
+        _skips(ctl)
+        woke = woke or not ctl.dormancy.dormant
+    assert woke
+
+
 def test_dormant_engine_never_drafts_and_re_tests_on_a_full_budget():
     """Dormant, nothing drafts, even a request with context; the verdict
     (drafting does not pay) is re-tested once the balance is full: an

@@ -165,7 +165,9 @@ class DSparkController:
         assessment = gate.assess(estimate, self.costs, self._view, rows)
         verdict = assessment.best()
         curious = not self.costs.draft.trusted
-        dormancy.update(verdict.net, verdict.spend, self.costs.model_error(), settled=not curious, rows=rows)
+        # A pinned curve decides alone, whatever this machine measures: no margin for how far off it the steps are.
+        margin = 0.0 if self.knobs.cost_curve else self.costs.model_error()
+        dormancy.update(verdict.net, verdict.spend, margin, settled=not curious, rows=rows)
         dormancy.heed(curious, self._building, rows)
         contexts = self._admit(requests)
         if dormancy.dormant or (dormancy.guarded and self.budget.draft_tokens(self._building) == 0):
