@@ -160,6 +160,44 @@ def matrix_table(record: dict) -> str:
     return "\n".join(lines)
 
 
+SUMMARY_COLUMNS = (("waves", "c=1"), ("waves", "c=4"), ("waves", "c=16"), ("waves", "c=64"), ("poisson-light", None),
+                   ("poisson-heavy", None), ("soak", None), ("soak-tokens", None))
+
+
+def _cpu_tag(cell: dict) -> str:
+    """The CPU of a cell's runs: model name and family/model where recorded."""
+    for run in cell.get("runs", []):
+        m = run["provenance"].get("machine") or {}
+        if m.get("cpu_id"):
+            family, model = m["cpu_id"].split()[1], m["cpu_id"].split()[3]
+            return f"{m['cpu']} ({family}/{model})"
+    return ""
+
+
+def summary_table(record: dict) -> str:
+    """One line per regime and dtype: adaptive / best other arm per cell row, a miss marked (the
+    README's; matrix_table has every figure)."""
+    heads = [w if lab is None else f"{w} {lab}" for w, lab in SUMMARY_COLUMNS]
+    lines = ["| regime / dtype | CPU | " + " | ".join(heads) + " | rows at the line |", "|---" * (len(heads) + 3) + "|"]
+    cells = record.get("cells", {})
+    for regime, dtype in sorted({tuple(k.split("/")[:2]) for k in cells}):
+        got, met, cpu = [], 0, ""
+        for workload, label in SUMMARY_COLUMNS:
+            cell = cells.get(f"{regime}/{dtype}/{workload}") or {}
+            rows = cell.get("summary") or {}
+            row = rows.get(label) if label else next(iter(rows.values()), None)
+            cpu = cpu or _cpu_tag(cell)
+            if not row or "ratio" not in row:
+                got.append("–")
+                continue
+            ok = row["ratio"] >= LINE and (row.get("vs_k7") is None or row["vs_k7"] >= K7_LINE)
+            met += ok
+            got.append(f"{row['ratio']:.3f}" if ok else f"**{row['ratio']:.3f}**")
+        shown = sum(g != "–" for g in got)
+        lines.append(f"| {regime} / {DT_SHORT[dtype]} | {cpu} | " + " | ".join(got) + f" | {met} of {shown} |")
+    return "\n".join(lines)
+
+
 def row_line(row: dict) -> str:
     out = ", ".join(f"{a} {v:.1f}" for a, v in row["figures"].items())
     if "ratio" in row:
@@ -344,6 +382,7 @@ def main(argv=None) -> dict:
         args.out.unlink(missing_ok=True)  # this invocation's checkpoint (or same-commit record, merged above)
         write_record(record, args.out, plot, "matrix", ["bench_matrix.py", *argv])
         print(matrix_table(record))
+        print(summary_table(record))
     return record
 
 
