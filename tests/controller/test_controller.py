@@ -383,10 +383,12 @@ def _fund(ctl, plain_steps=1, seconds=5e-3):
 
 def _skip_rule_ctl(tuning=TUNING, **knobs):
     """A controller whose window says every drafted token is accepted, on
-    pinned costs where drafting one block pays at R=1."""
+    pinned costs where drafting one block pays at R=1 (a cost_curve knob's own
+    where given)."""
     ctl = _ctl(tuning, **knobs)
     linear = CostParams(5e-3, 1e-4, 1e-4)
-    ctl.costs.pin(CostCurve("test", spec=linear, plain=linear, draft=CostParams(3e-3, 1e-4, 1e-5)), "test")
+    if not knobs.get("cost_curve"):
+        ctl.costs.pin(CostCurve("test", spec=linear, plain=linear, draft=CostParams(3e-3, 1e-4, 1e-5)), "test")
     logits = torch.full((1, 4), 6.0)
     for _ in range(50):
         _choose(ctl, ["a"], logits, [4], [True])
@@ -550,7 +552,6 @@ def test_a_pinned_curve_ends_dormancy_however_far_off_this_machine_is(tmp_path):
     path.write_text(json.dumps({"name": "t", "spec": {"t0": 5e-3, "t_req": 1e-4, "t_tok": 1e-4},
                                 "draft": {"t0": 3e-4, "t_req": 1e-5, "t_tok": 1e-6}}))
     ctl = _skip_rule_ctl(dormant_after_steps=16, cost_curve=str(path))
-    ctl.costs.pin(ctl.knobs.pinned_curve(), str(path))
     assert ctl.dormancy.budget is None
     ctl.dormancy.sleep()
     ctl.costs._errors.extend([5.0] * 10)

@@ -51,7 +51,7 @@ class DSparkController:
         self.costs = StepCosts(block_len, tuning, fingerprint, cache_dir if knobs.persist_cost_model else None,
                                price_walk=knobs.adaptive_depth, sized_block=knobs.depth_sized_block)
         if knobs.cost_curve:
-            self.costs.pin(knobs.pinned_curve(), knobs.cost_curve)
+            self.costs.pin(knobs.pinned_curve(), knobs.cost_curve, alone=True)
         self.acceptance = acceptance or AcceptanceModel(block_len, tuning, calibrate=knobs.calibration)
         self.gate = DraftGate(block_len, tuning, knobs.slo_tokens_per_s)
         self.budget = ExplorationBudget(self.costs.nospec, tuning, self.costs.decode)
@@ -165,9 +165,7 @@ class DSparkController:
         assessment = gate.assess(estimate, self.costs, self._view, rows)
         verdict = assessment.best()
         curious = not self.costs.draft.trusted
-        # A pinned curve decides alone, whatever this machine measures: no margin for how far off it the steps are.
-        margin = 0.0 if self.knobs.cost_curve else self.costs.model_error()
-        dormancy.update(verdict.net, verdict.spend, margin, settled=not curious, rows=rows)
+        dormancy.update(verdict.net, verdict.spend, self.costs.margin(), settled=not curious, rows=rows)
         dormancy.heed(curious, self._building, rows)
         contexts = self._admit(requests)
         if dormancy.dormant or (dormancy.guarded and self.budget.draft_tokens(self._building) == 0):

@@ -51,9 +51,12 @@ class StepCosts:
         self._sized_block = sized_block  # the depth_sized_block knob: a block as deep as its walk
         self._overhead: float | None = None  # verify step minus plain step, same R and B
         self._errors: deque[float] = deque(maxlen=tuning.cost.error_window)  # whole-step prediction error
+        self._alone = False  # a user's pinned curve decides alone: margin()
 
-    def pin(self, curve: CostCurve, source: str) -> None:
-        """Use ``curve``'s fixed costs instead of learning them online."""
+    def pin(self, curve: CostCurve, source: str, alone: bool = False) -> None:
+        """Use ``curve``'s fixed costs instead of learning them online
+        (``alone``: the user's curve decides without a margin, see margin())."""
+        self._alone = alone
         for model, params in ((self.verify, curve.spec), (self.plain, curve.plain),
                               (self.draft, curve.draft), (self.walk, curve.walk)):
             if params is not None:
@@ -130,6 +133,11 @@ class StepCosts:
         """Mean relative error of the recent whole-step predictions (0 before any)."""
         errors = self._errors
         return sum(errors) / len(errors) if errors else 0.0
+
+    def margin(self) -> float:
+        """How far a verdict must clear zero: the models' recent error; none for
+        a user's pinned curve, however far off it this machine's steps are."""
+        return 0.0 if self._alone else self.model_error()
 
     def mape(self) -> float | None:
         return 100.0 * self.model_error() if self._errors else None
