@@ -427,3 +427,34 @@ def test_ranks_with_different_timings_decide_alike_on_rank_0_s(trace):
     assert rank1_run == rank0_run
     assert _decisions(trace, skewed, None) != rank0_run
     assert any(lengths for _, lengths in rank0_run) and any(plain for plain, _ in rank0_run)
+
+
+def test_an_episode_that_gained_is_due_again_at_once_though_a_losing_stretch_ended_it():
+    """An episode that gained over its run, then lost a reserve in a row (a
+    request the drafter cannot follow), ends; what it gained funds the next
+    episode there at once (before, the engine waited reserve / share plain
+    steps to earn the stretch back: at one request in fp32 it stayed plain
+    for 20 requests). Short losing re-tests draw on that gain, capped at the
+    balance's cap, so it funds at most cap / reserve of them."""
+    b = _budget()
+    b.settle(_plain())
+    b.open(False, 1)
+    gaining = StepSample(1, 8, True, 0.006, 0.001, 1, plain=False, draft_tokens=7, accepted=7)
+    for _ in range(4 * TUNING.trial_steps):
+        b.settle(gaining)
+    losing = StepSample(1, 8, True, 0.020, 0.005, 1, plain=False, draft_tokens=7, accepted=0)
+    while not b.spent(0.0):
+        b.settle(losing)
+    b.close()
+    assert b.gained(1) and b.affords_episode(False, 1)
+    retests = 0
+    while b.affords_episode(False, 1):
+        _lose_episode(b)
+        retests += 1
+        assert retests <= TUNING.budget_cap_steps / TUNING.episode_tokens
+    assert retests >= 1
+    waited = 0  # the gain spent, the next waits to be earned at the share
+    while not b.affords_episode(False, 1):
+        b.settle(_plain())
+        waited += 1
+    assert waited > 0

@@ -47,7 +47,12 @@ size where an episode ended gaining is remembered, so that the next episode
 there is due whenever the engine is dormant at it, whatever the models say
 (at one request their verdict was wrong both ways; without this memory an
 engine that slept at 16 requests stayed plain at one, where it had gained
-13-20%, for the rest of the run). Such an episode is measured afresh.
+13-20%, for the rest of the run). Such an episode is measured afresh, and
+what the last one gained (up to the cap) funds it: an engine that gained at
+one request, then lost a reserve on one request the drafter could not follow,
+stayed plain for 20 requests while it earned that loss back at the share.
+Episodes too short to measure draw their losses on that gain, so it funds
+at most a cap's worth of them.
 """
 
 import math
@@ -78,7 +83,7 @@ class ExplorationBudget:
         self._min_gain_steps = t.trial_steps
         # The open episode's excess and priced speculating steps, per batch-size class.
         self._gain: dict[int, tuple[float, int]] = {}
-        self._won: set[int] = set()  # batch-size classes whose last measured episode gained
+        self._won: dict[int, float] = {}  # batch-size class -> seconds its last measured episode gained
         # Per batch-size class after a losing episode: (the balance it must regain, the losses in a row there).
         self._marks: dict[int, tuple[float, int]] = {}
         self._granted: set[int] = set()  # batch-size classes whose first reserve was granted
@@ -166,16 +171,25 @@ class ExplorationBudget:
         return self._episode is not None
 
     def close(self) -> None:
-        """The episode ended. One that lost (or could not be priced) marks
-        its batch size: the next episode there waits until the loss is
-        earned back, twice that after two in a row, and so on. Each batch
-        size it measured over ``trial_steps`` priced steps is remembered as
-        gaining or not."""
+        """The episode ended. Each batch size it measured over
+        ``trial_steps`` priced steps is remembered as gaining (with what it
+        gained, up to the cap) or not; a shorter stretch there draws its loss
+        on that gain. One that lost where nothing is gained (or could not be
+        priced) marks its batch size: the next episode there waits until the
+        loss is earned back, twice that after two in a row, and so on."""
         for rows_class, (excess, steps) in self._gain.items():
             if steps >= self._min_gain_steps:
-                (self._won.add if excess < 0 else self._won.discard)(rows_class)
+                fund = -excess  # measured: the episode's own result decides
+            elif rows_class in self._won:
+                fund = self._won[rows_class] - excess  # too short to measure: it draws on the last gain
+            else:
+                continue
+            if fund > 0:
+                self._won[rows_class] = min(fund, self._cap * self._step)
+            else:
+                self._won.pop(rows_class, None)
         unpriced = self._unpriced >= self._max_unpriced
-        if self.balance < self._opened or unpriced:
+        if unpriced or (self.balance < self._opened and self._episode not in self._won):
             # An unpriced episode measured nothing: count it as a reserve lost.
             lost = max(self._opened - self.balance, self._reserve * self._token if unpriced else 0.0)
             _, losses = self._marks.get(self._episode, (0.0, 0))
@@ -191,10 +205,15 @@ class ExplorationBudget:
         steps go unpriced, and the episode ends having measured nothing); where
         the models say drafting pays on any balance not in debt, else on the
         reserve; either way only once what the last episode at about this
-        batch size lost has been earned back."""
+        batch size lost has been earned back. What the last measured episode
+        there gained counts toward both: an episode that gained over its run
+        and then lost a reserve in a row (a request the drafter cannot
+        follow) is due again at once, not after its loss is earned back at
+        the share."""
         need = 0.0 if pays else self._reserve * self._token
+        funds = self.balance + self._won.get(rows.bit_length(), 0.0)
         return (self._token > 0 and self.measured(rows)
-                and self.balance >= max(need, self._marks.get(rows.bit_length(), (need,))[0]))
+                and funds >= max(need, self._marks.get(rows.bit_length(), (need,))[0]))
 
     def measured(self, rows: int) -> bool:
         """Have plain decode steps of about ``rows`` requests been measured lately?"""
