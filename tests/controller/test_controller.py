@@ -322,6 +322,37 @@ def test_a_coasting_run_books_as_asking_every_step_would():
     assert sum(asking[0]) > len(views) // 2 and running[2] == len(views)
 
 
+def test_the_nospec_models_learn_what_coasting_steps_cost_not_only_the_rule_s_steps():
+    """Dormant, the only plain steps timed one by one are those the rule runs
+    on, dearer than the steps that coast between them (here 5 ms against 4):
+    priced against those alone, speculation at break-even looked like a gain.
+    The clock times each coasting run as one span and its mean step teaches
+    the nospec models, unless the step after it admits a request (the span
+    may then hold the engine's idle time: here a second)."""
+    t = [0.0]
+    ctl = DSparkController(DSparkKnobs(persist_cost_model=False), block_len=4, plain_steps=True, now=lambda: t[0])
+    ctl.dormancy.sleep()
+    ctl.dormancy.wake = lambda: None  # held dormant
+    steady, admitting = _view(("a", "b")), _view(("a", "b", "c"), new=("c",))
+
+    def step(v, idle=0.0):
+        if ctl.coasts(v.req_ids, bool(v.new_req_ids), v.verifies, v.finished_req_ids, v.tokens):
+            t[0] += 4e-3
+            return
+        t[0] += idle
+        ctl.begin_step(v)
+        t[0] += 5e-3
+        ctl.end_step(StepTiming())
+
+    for _ in range(60 * TUNING.dormant_recheck_every):
+        step(steady)
+    decode = ctl.costs.decode.params.predict(2, 2)
+    assert 4e-3 <= decode < 4.4e-3  # the rule's steps alone: 5 ms
+    step(admitting, idle=1.0)
+    assert ctl.costs.decode.params.predict(2, 2) == pytest.approx(decode, rel=0.01)
+    assert ctl.costs.nospec.params.predict(2, 2) < 4.4e-3
+
+
 def test_plain_cost_at_an_unseen_batch_size_comes_from_the_verify_model():
     """Plain steps seen only at R=4 cannot tell t0 from t_req; at R=16 the
     plain cost is the verify-step model (which has seen R=16) minus the verify

@@ -44,12 +44,15 @@ class StepClock:
         self._t_end: float | None = None
         self._gap = {False: 0.0, True: 0.0}  # usual gap after a plain / a verify step
         self._held: StepSample | None = None
+        self.span = 0.0  # seconds the steps before this one ran untimed (a coasting run), rank 0's
 
     def begin(self) -> StepSample | None:
         """A step starts; returns the step before it, complete with its gap
-        (None when no step is held)."""
+        (None when no step is held). Begun and not ended since, the clock
+        times the steps between as one ``span`` (coasting.py)."""
         now = self._now()
         held, self._held = self._held, None
+        self.span = now - self._t_start if held is None and self._t_start is not None else 0.0
         if held is not None:
             gap = now - self._t_end
             if gap < self._max_gap:
@@ -65,6 +68,11 @@ class StepClock:
         """A step's sample waits for the next ``begin``."""
         return self._held is not None
 
+    @property
+    def idle(self) -> bool:
+        """No step or span is being timed."""
+        return self._t_start is None and self._held is None
+
     def agree(self, *values) -> tuple:
         """Rank 0's values (ints) for this rank's decisions. Under tensor parallelism
         a rank's confidences may differ from rank 0's in the last bit, and the
@@ -76,7 +84,7 @@ class StepClock:
         """The step as rank 0 timed it. Every rank calls this on every step (a collective)."""
         mine = (1.0, held.seconds, held.draft_seconds, held.walk_seconds,
                 held.extra_seconds) if held is not None else (0.0,) * 5
-        present, seconds, draft, walk, extra = self.share(list(mine))
+        present, seconds, draft, walk, extra, self.span = self.share([*mine, self.span])
         if held is None or not present:
             return None
         return held._replace(seconds=seconds, draft_seconds=draft, walk_seconds=walk, extra_seconds=extra,

@@ -61,8 +61,8 @@ class DSparkController:
         self.ledger = ContextLedger()
         self.telemetry = Telemetry(block_len, knobs.trace_folder(), knobs.policy, knobs.log_every)
         self.clock = StepClock(tuning, now, share)
-        self.coasting = Coasting(plain_steps, self.dormancy, self.budget, self.ledger, self.gate, self.telemetry)
-        self._plain_steps = plain_steps
+        self.coasting = Coasting(plain_steps, self.dormancy, self.budget, self.ledger, self.gate, self.telemetry,
+                                 self.costs)
         self.steps = 0  # steps recorded or counted
         self.depth = block_len  # the walk depth of the last plan
         self._view, self._gained = NO_STEP, (0, 0)  # this step's view; its verified and accepted drafts
@@ -76,12 +76,13 @@ class DSparkController:
         due, self.coasting.due = self.coasting.due, None
         self._count(self.coasting.book())
         self._record(self.clock.begin())
+        self.coasting.timed(self.clock.span, view)
         self._view, self._gained = view, (0, 0)
         self.ledger.forget(view.finished_req_ids)
         # A step in which no request keeps drafter context has no speculative work either.
         (self._plain_step,) = self.clock.agree(not view.verifies and (self.dormancy.dormant or (
             self.dormancy.enabled and not view.new_req_ids and self.ledger.all_without(view.req_ids))))
-        if not (self._plain_steps and self._plain_step):
+        if not (self.coasting.plain_steps and self._plain_step):
             return None
         if view.num_reqs:  # no request in it keeps context; the rule still runs (it ends dormancy)
             self.coasting.ran(view)
@@ -93,7 +94,7 @@ class DSparkController:
         """Asked before begin_step: does this step coast, and for how many steps (coasting.py)?
         Then the runner runs it plain, calling nothing else. ``fast``: steps coasted unasked since."""
         run = self.coasting.coasts(self._plain_step, req_ids, admits, verifies, finished, tokens, fast)
-        if run and self.clock.holding:  # the step before ran the rule: its sample, now its gap is known
+        if run and (self.clock.holding or self.clock.idle):  # the held sample, its gap now known; the run's span
             self._record(self.clock.begin())
         return run
 
@@ -219,8 +220,7 @@ class DSparkController:
             self.close()
 
     def snapshot(self, unreported: int = 0) -> ControllerSnapshot:
-        """What /metrics, the log line and the benchmarks show (read-only: /metrics reads it
-        from another thread). ``unreported``: steps coasted unasked, not reported yet."""
+        """What /metrics (from another thread: read-only), logs and benchmarks show; ``unreported``: coasted."""
         return self.telemetry.snapshot(dormant=self.dormancy.dormant, acceptance=self.acceptance, costs=self.costs,
                                        load=self._view.load, budget=self.budget,
                                        coasted=self.coasting.pending + unreported)

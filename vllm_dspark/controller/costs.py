@@ -129,6 +129,12 @@ class StepCosts:
         self._errors.append(abs(predicted - s.seconds) / s.seconds)
         return predicted
 
+    def observe_coasted(self, reqs: int, tokens: int, seconds: float) -> None:
+        """Steps run without speculation and untimed one by one (coasting.py): their mean."""
+        self.nospec.observe(reqs, tokens, seconds)
+        if tokens == reqs:
+            self.decode.observe(reqs, reqs, seconds)
+
     def model_error(self) -> float:
         """Mean relative error of the recent whole-step predictions (0 before any)."""
         errors = self._errors
