@@ -104,7 +104,7 @@ class Coasting:
         """The clock's span over the run just booked, ``view`` the step after it."""
         if self._booked is not None and span > 0 and not view.new_req_ids:
             reqs, tokens, n = self._booked
-            self._costs.observe_coasted(reqs, tokens, span / n)
+            self._costs.observe_plain(reqs, tokens, span / n)
         self._booked = None
 
     def ran(self, view: StepView) -> None:

@@ -220,7 +220,7 @@ class DSparkController:
             self.close()
 
     def snapshot(self, unreported: int = 0) -> ControllerSnapshot:
-        """What /metrics (from another thread: read-only), logs and benchmarks show; ``unreported``: coasted."""
+        """What /metrics (read-only, from another thread), logs and benchmarks show; ``unreported``: coasted unasked."""
         return self.telemetry.snapshot(dormant=self.dormancy.dormant, acceptance=self.acceptance, costs=self.costs,
                                        load=self._view.load, budget=self.budget,
                                        coasted=self.coasting.pending + unreported)

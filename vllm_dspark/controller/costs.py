@@ -123,14 +123,12 @@ class StepCosts:
                 self.walk.observe(s.drafted, 0, s.walk_seconds / s.depth)
         target.observe(s.reqs, s.tokens, target_seconds)
         if s.plain:
-            self.nospec.observe(s.reqs, s.tokens, s.seconds)
-            if s.tokens == s.reqs:
-                self.decode.observe(s.reqs, s.reqs, s.seconds)
+            self.observe_plain(s.reqs, s.tokens, s.seconds)
         self._errors.append(abs(predicted - s.seconds) / s.seconds)
         return predicted
 
-    def observe_coasted(self, reqs: int, tokens: int, seconds: float) -> None:
-        """Steps run without speculation and untimed one by one (coasting.py): their mean."""
+    def observe_plain(self, reqs: int, tokens: int, seconds: float) -> None:
+        """A step run without speculation (or the mean of a coasting run's: coasting.py)."""
         self.nospec.observe(reqs, tokens, seconds)
         if tokens == reqs:
             self.decode.observe(reqs, reqs, seconds)
