@@ -227,7 +227,7 @@ def test_an_exploring_episode_is_a_trial_that_drafts_whatever_the_models_say():
     """An episode the models did not call for drafts its first trial_steps
     steps with context, and the models' rule cannot end it meanwhile (a
     re-test that skipped on the verdict under test would measure nothing);
-    one they called for is no trial."""
+    one they called for is no trial, unless they know too little."""
     from vllm_dspark.controller.dormancy import Dormancy
     from vllm_dspark.controller.gate import DraftGate
     from vllm_dspark.controller.plan import NO_STEP
@@ -252,11 +252,17 @@ def test_an_exploring_episode_is_a_trial_that_drafts_whatever_the_models_say():
         d.remember(True)
     d.update(-1.0, 1.0, 0.0, settled=True, rows=1)
     assert d.dormant and not d.on_trial(1)
-    # Woken where the models say drafting pays: no trial.
+    # Woken where models that have seen enough drafting say it pays: no trial.
     d._paying = TUNING.dormant_exit_checks
     b.close()
     d.heed(False, 0.0, 1)
     assert not d.dormant and not d.on_trial(1)
+    # Woken where they say it pays but know too little (curious): a trial all the same.
+    d.sleep()
+    d._paying = TUNING.dormant_exit_checks
+    b.close()
+    d.heed(True, 0.0, 1)
+    assert not d.dormant and d.on_trial(1)
 
 
 def test_an_episode_measured_gaining_stays_on_trial_whatever_the_models_say():

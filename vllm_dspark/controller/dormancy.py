@@ -18,7 +18,10 @@ noise) and the budget. An episode the models did not
 call for (they knew too little, or the budget re-tests their verdict) is a
 trial: its first ``trial_steps`` steps with drafter context draft whatever
 the models say, and the models' rule does not end it (the budget does); a
-re-test that skipped on the verdict under test would measure nothing. Any
+re-test that skipped on the verdict under test would measure nothing. So is
+one they called for before the drafting model is trusted: their verdict
+flips on a request's first few blocks, and an episode that then mostly
+skipped paid the skipped steps' overhead and was booked as drafting's loss. Any
 episode stays on trial while the budget measures it gaining on no
 speculation (budget.py): where the models and the measurement disagree, the
 measurement decides (docs/controller.md), with the gate's explore steps still
@@ -106,9 +109,10 @@ class Dormancy:
             pays = self.pays
             due = budget.full or budget.retest_due(rows) or budget.gained(rows)
             if budget.affords_episode(pays, rows) and (pays or curious or due):
-                budget.open(pays and not curious, rows)
+                sure = pays and not curious
+                budget.open(sure, rows)
                 self.wake()
-                self._trial = 0 if pays else self._trial_steps
+                self._trial = 0 if sure else self._trial_steps
         elif budget.spent(building):
             budget.close()
             self.sleep()
