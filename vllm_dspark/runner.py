@@ -159,9 +159,9 @@ class DSparkRunnerMixin:
         t0 = time.perf_counter()
         req_ids = list(self.input_batch.req_ids)
         outcome = self.rejection_sampler.take_outcome() if self._step_verifies else None
-        if outcome is not None:
-            self.dspark.observe(VerifyOutcome(req_ids, *outcome))
         requests = _Requests(self, req_ids, outcome)
+        if outcome is not None:
+            self.dspark.observe(VerifyOutcome(req_ids, *outcome, requests.left()))
         plan = self.dspark.plan(requests)
         if plan.mode == "skip":
             self._defer_context(plan.contextless, scheduler_output, req_ids, aux_hidden_states,
@@ -207,24 +207,30 @@ class DSparkRunnerMixin:
 class _Requests:
     """This step's requests as the controller may ask about them (plan.RequestView)."""
 
-    __slots__ = ("req_ids", "_runner", "_outcome", "_caps")
+    __slots__ = ("req_ids", "_runner", "_outcome", "_caps", "_left")
 
     def __init__(self, runner, req_ids: list[str], outcome):
-        self.req_ids, self._runner, self._outcome, self._caps = req_ids, runner, outcome, None
+        self.req_ids, self._runner, self._outcome, self._caps, self._left = req_ids, runner, outcome, None, None
+
+    def left(self) -> list[int | None]:
+        """Tokens each request had left before its max_tokens (None: no
+        limit) ahead of this step's: drafting runs before vLLM's bookkeeping
+        appends this step's tokens (1 + accepted drafts) to the outputs."""
+        if self._left is None:
+            states = self._runner.requests
+            rows = [states[rid] for rid in self.req_ids]
+            self._left = [None if st.sampling_params.max_tokens is None
+                          else st.sampling_params.max_tokens - len(st.output_token_ids) for st in rows]
+        return self._left
 
     def caps(self) -> list[int]:
-        """dspark_max_verify, and the tokens left before max_tokens. Drafting
-        runs before vLLM's bookkeeping appends this step's tokens (1 +
-        accepted drafts) to the outputs."""
+        """dspark_max_verify, and the tokens left after this step's."""
         if self._caps is None:
             outcome, states = self._outcome, self._runner.requests
             produced = [1 + a for a in outcome[1]] if outcome is not None else [1] * len(self.req_ids)
-            rows = [states[rid] for rid in self.req_ids]
-            params = [st.sampling_params for st in rows]
             self._caps = request_caps(
-                [p.extra_args for p in params],
-                [None if p.max_tokens is None else p.max_tokens - len(st.output_token_ids) - k
-                 for p, st, k in zip(params, rows, produced)], self._runner.drafter.block_len)
+                [states[rid].sampling_params.extra_args for rid in self.req_ids],
+                [None if n is None else n - k for n, k in zip(self.left(), produced)], self._runner.drafter.block_len)
         return self._caps
 
 

@@ -6,7 +6,7 @@ deterministic, no timing."""
 import pytest
 
 from tests.conftest import REPO
-from vllm_dspark.controller.budget import ExplorationBudget
+from vllm_dspark.controller.budget import ExplorationBudget, steps_saved
 from vllm_dspark.controller.clock import StepSample
 from vllm_dspark.controller.cost_curve import CostCurve
 from vllm_dspark.controller.cost_model import CostParams, OnlineCostModel
@@ -58,7 +58,7 @@ def test_a_step_the_nospec_model_cannot_price_is_charged_its_drafter_time():
     has seen (here 400, where it saw only single decodes) has no baseline for
     the target's part; its drafter time (drafting path and context writes),
     less what its accepted drafts saved, is charged, and never counted as a
-    gain. A decode step at an unseen batch size stays unpriced."""
+    gain. A decode step at a larger unseen batch size stays unpriced."""
     nospec = OnlineCostModel(tuning=TUNING.cost)
     b = ExplorationBudget(nospec, TUNING)
     for _ in range(2 * TUNING.budget_warmup_steps):
@@ -71,9 +71,44 @@ def test_a_step_the_nospec_model_cannot_price_is_charged_its_drafter_time():
     # A mixed step whose accepted drafts saved more than its drafter took: no gain.
     b.settle(StepSample(1, 404, True, 0.030, 0.001, 1, plain=False, draft_tokens=3, accepted=3))
     assert b.excess == pytest.approx(0.010)
-    # A decode step at an unseen batch size stays unpriced.
+    # A decode step at a larger unseen batch size stays unpriced.
     b.settle(StepSample(64, 64, False, 0.030, 0.010, 64, plain=False))
     assert b.excess == pytest.approx(0.010)
+
+
+def test_a_decode_step_at_fewer_requests_than_the_last_priced_is_charged_against_that_price():
+    """A wave's tail: the nospec model measured 4-request steps only, and the
+    last request drafts alone. Its step costs no more without speculation
+    than a 4-request one, so what it took beyond that, less what its drafts
+    saved, is charged (never a gain); before, it went unpriced, every wave."""
+    nospec = OnlineCostModel(tuning=TUNING.cost)
+    b = ExplorationBudget(nospec, TUNING)
+    for _ in range(2 * TUNING.budget_warmup_steps):
+        nospec.observe(4, 4, STEP)
+        b.settle(_plain(4))
+    assert nospec.covers(4, 4) and not nospec.covers(1, 1)
+    b.settle(StepSample(1, 8, True, 4 * STEP, STEP, 1, plain=False, draft_tokens=7, accepted=1))
+    assert b.excess == pytest.approx(4 * STEP - 2 * STEP, rel=1e-3)  # the model fits STEP to within its prior
+    b.settle(StepSample(1, 8, True, 4 * STEP, STEP, 1, plain=False, draft_tokens=7, accepted=7))
+    assert b.excess == pytest.approx(2 * STEP, rel=1e-3)  # saved more than it took: no gain
+
+
+def test_a_closed_batch_is_worth_what_its_longest_request_gained():
+    """Four requests with 100 tokens left each: one accepts all 7 drafts, the
+    rest none. The wave still ends when the last of them does, so the step
+    saved no plain step, where the mean per request said 1.75; with staggered
+    lengths it is the longest request's lead; without lengths, the mean."""
+    assert steps_saved([7, 0, 0, 0], [100] * 4) == 0
+    assert steps_saved([7, 3, 2, 5], [100] * 4) == 2
+    assert steps_saved([7, 0, 0, 0], [100, 60, 30, 10]) == 7
+    assert steps_saved([0, 7], [100, 103]) == 3  # the longer request fell behind the other's end
+    assert steps_saved([7, 0, 0, 0], [100, None, 30, 10]) == pytest.approx(1.75)
+    assert steps_saved([6], [3]) == 2  # a request cannot save past its end
+    b = _budget()
+    b.settle(_plain(4))
+    # A 4-request step (20 ms, 4 drafted) that the mean would price at 1.75 extra steps: priced at none.
+    b.settle(StepSample(4, 32, True, 4 * STEP, STEP, 4, plain=False, draft_tokens=28, accepted=7, saved=0))
+    assert b.excess == pytest.approx(3 * STEP)
 
 
 def test_an_episode_ends_when_its_balance_is_spent_or_its_batch_is_unmeasured():

@@ -79,7 +79,7 @@ class AcceptanceModel:
         # outcome, and the calibrator reads no further.
         window: tuple[list, list, list] = ([], [], [])
         picks = {"greedy": ([], [], []), "sampled": ([], [], [])}
-        for rid, n, a in zip(*outcome):
+        for rid, n, a in zip(outcome.req_ids, outcome.num_verified, outcome.accepted):
             i = rows_of.get(rid)
             if i is None:
                 continue

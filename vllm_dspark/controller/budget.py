@@ -6,12 +6,14 @@ is priced twice: what it took (queued-context writes and the gap after it
 included), and what a step without speculation would have taken for the same
 output, from the cost models of plain steps (costs.py): its prompt and decode
 tokens at this batch (``decode``, of decode steps alone, for a step without
-prompt tokens; ``nospec`` else), plus every accepted draft token at a plain
-decode step's cost per token. The difference is the step's excess
+prompt tokens; ``nospec`` else), plus a plain decode step for every step its
+accepted drafts brought the batch's end nearer (``steps_saved``: its longest
+request's, not the mean per request). The difference is the step's excess
 (negative where speculation won). A step with prompt tokens the nospec
 model cannot price (see below) is charged from below: its drafter time less
 what its accepted drafts saved, never less than nothing (the prompt context
-of a wave of new requests is written there).
+of a wave of new requests is written there); so is a decode step at fewer
+requests than the last priced one (a wave's tail), against that step's price.
 
 Once ``budget_warmup_steps`` plain steps were seen, the first decode step
 priced at each batch size (a power of two) lifts the balance to one episode's
@@ -77,6 +79,7 @@ class ExplorationBudget:
         self._unpriced = 0  # speculating steps in a row the nospec model could not price
         self._step = 0.0  # a recent plain decode step's seconds (0: no step priced yet)
         self._token = 0.0  # and per decoded token
+        self._step_reqs = 0  # the batch size it was priced at
         self._credit = 0.0  # plain steps of debt the episode may run into while building context
         self._opened = 0.0  # the balance the last episode opened with
         self._episode: int | None = None  # the open episode's batch-size class (None: none open)
@@ -101,7 +104,7 @@ class ExplorationBudget:
         decodes = self.measured(s.reqs)
         if decodes:  # the price of a decoded token at this batch
             self._step = self._decode.params.predict(s.reqs, s.reqs)
-            self._token = self._step / s.reqs
+            self._token, self._step_reqs = self._step / s.reqs, s.reqs
             if s.reqs.bit_length() not in self._granted:  # a batch size's first reserve is granted
                 self._granted.add(s.reqs.bit_length())
                 self.balance = max(self.balance, self._reserve * self._token)
@@ -110,19 +113,21 @@ class ExplorationBudget:
             self.earn(s.seconds)
             return
         prompts = s.tokens - s.draft_tokens > s.reqs
+        saved = (s.accepted / s.reqs if s.saved is None else s.saved) * self._step
         if not (self._token and decodes and (not prompts or nospec.covers(s.reqs, s.tokens - s.draft_tokens))):
             self._unpriced += 1
-            if self._token and prompts:
-                # A prompt-heavy step has no baseline for the target's part, but the drafter's own
-                # time (writing the prompts' context) is speculation's, less what its accepted drafts
-                # saved: charged from below, never as a gain. Decode steps at an unseen batch size
-                # stay unpriced (their first drafter calls carry one-time costs; plain steps measure).
-                excess = max(0.0, s.draft_seconds + s.extra_seconds - s.accepted * self._token)
+            if self._token and (prompts or s.reqs < self._step_reqs):
+                # No baseline at this step's batch, but a bound: a prompt-heavy step's drafter time
+                # (writing the prompts' context) is speculation's, and a decode step at fewer requests
+                # than the last priced costs no more than one there. Less what its accepted drafts saved,
+                # charged from below, never as a gain. Decode steps at a larger unseen batch stay unpriced
+                # (their first drafter calls carry one-time costs; plain steps measure).
+                bound = s.draft_seconds if prompts else s.seconds - self._step
+                excess = max(0.0, bound + s.extra_seconds - saved)
                 self._charge(max(s.seconds + s.extra_seconds - excess, 0.0), excess, s.reqs, priced=False)
             return
         self._unpriced = 0
-        baseline = (nospec.params.predict(s.reqs, s.tokens - s.draft_tokens) if prompts else self._step)
-        baseline += s.accepted * self._token
+        baseline = (nospec.params.predict(s.reqs, s.tokens - s.draft_tokens) if prompts else self._step) + saved
         self._charge(baseline, s.seconds + s.extra_seconds - baseline, s.reqs)
 
     def _charge(self, baseline: float, excess: float, reqs: int, priced: bool = True) -> None:
@@ -264,3 +269,24 @@ class ExplorationBudget:
     def loss_share(self) -> float | None:
         """What speculation cost over no speculation, as a share of the latter."""
         return self.excess / self.nospec_seconds if self.nospec_seconds > 0 else None
+
+
+def steps_saved(accepted: list[int], left: list[int | None] | None) -> float:
+    """The plain decode steps a step's ``accepted`` drafts (per request) saved
+    its batch, given the tokens each request had ``left`` before its
+    max_tokens: how much nearer its longest request came to its end, less
+    the step itself. A batch runs until its longest request ends, and
+    without new requests to take the places the others free (a closed batch:
+    waves, an offline batch no larger than max_num_seqs), the drafts of
+    requests that end sooner save it little: at a few requests, where a step
+    costs about the same whatever the batch, one request that accepted every
+    draft while the rest accepted one each looked like a 2x gain per token,
+    and the wave took 1.5x as long. With staggered requests the longest is
+    one request, as likely as any to accept. Lengths unknown: the mean per
+    request."""
+    if not accepted:
+        return 0.0
+    if left is None or None in left:
+        return sum(accepted) / len(accepted)
+    after = max(max(n - 1 - a, 0) for n, a in zip(left, accepted))
+    return max(max(left) - after - 1, 0)

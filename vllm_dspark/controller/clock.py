@@ -29,6 +29,7 @@ class StepSample(NamedTuple):
     plain: bool = False  # ran without speculation (dormant, or no request keeps drafter context)
     draft_tokens: int = 0  # of tokens, drafts verified
     accepted: int = 0  # of those, accepted
+    saved: float | None = None  # plain steps those saved the batch (budget.steps_saved; None: their mean)
     extra_seconds: float = 0.0  # queued-context writes, left out of seconds (the exploration budget pays them)
     recorded: bool = True  # goes into the cost models (else only counted, and earns the budget)
 

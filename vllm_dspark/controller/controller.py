@@ -26,7 +26,7 @@ import torch
 
 from vllm_dspark.config import DSparkKnobs
 from vllm_dspark.controller.acceptance import AcceptanceModel
-from vllm_dspark.controller.budget import ExplorationBudget
+from vllm_dspark.controller.budget import ExplorationBudget, steps_saved
 from vllm_dspark.controller.clock import StepClock, StepSample
 from vllm_dspark.controller.coasting import Coasting
 from vllm_dspark.controller.context_ledger import ContextLedger
@@ -65,7 +65,7 @@ class DSparkController:
                                  self.costs)
         self.steps = 0  # steps recorded or counted
         self.depth = block_len  # the walk depth of the last plan
-        self._view, self._gained = NO_STEP, (0, 0)  # this step's view; its verified and accepted drafts
+        self._view, self._gained = NO_STEP, (0, 0, 0.0)  # this step's view; its drafts verified, accepted, saved
         self._plain_step = False  # this step runs without speculation
         self._building = 1.0  # share of the last batch without drafter context
 
@@ -77,7 +77,7 @@ class DSparkController:
         self._count(self.coasting.book())
         self._record(self.clock.begin())
         self.coasting.timed(self.clock.span, view)
-        self._view, self._gained = view, (0, 0)
+        self._view, self._gained = view, (0, 0, 0.0)
         self.ledger.forget(view.finished_req_ids)
         # A step in which no request keeps drafter context has no speculative work either.
         (self._plain_step,) = self.clock.agree(not view.verifies and (self.dormancy.dormant or (
@@ -101,7 +101,7 @@ class DSparkController:
     def observe(self, outcome: VerifyOutcome) -> None:
         """What verification did with last step's drafts."""
         self.telemetry.verified(outcome.num_verified, outcome.accepted)
-        self._gained = (sum(outcome.num_verified), sum(outcome.accepted))
+        self._gained = (sum(outcome.num_verified), sum(outcome.accepted), steps_saved(outcome.accepted, outcome.left))
         pending = self.acceptance.observe(outcome)
         if pending is not None and self.telemetry.trace is not None:
             self.telemetry.trace_blocks(self.steps, pending, outcome)

@@ -115,6 +115,7 @@ class VerifyOutcome(NamedTuple):
     req_ids: list[str]
     num_verified: list[int]  # [B] drafts verified
     accepted: list[int]  # [B] of those, accepted
+    left: list[int | None] | None = None  # [B] tokens left before max_tokens ahead of this step (None: unknown)
 
 
 class StepTiming(NamedTuple):

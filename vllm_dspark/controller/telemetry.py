@@ -129,7 +129,7 @@ class Telemetry:
     def trace_blocks(self, step: int, pending, outcome) -> None:
         rows_of, raw, greedy, cal, _ = pending
         cal_rows = cal.float().cpu().tolist()
-        for rid, n, a in zip(*outcome):
+        for rid, n, a in zip(outcome.req_ids, outcome.num_verified, outcome.accepted):
             i = rows_of.get(rid)
             if i is not None and n:
                 self.trace.block(step, rid, greedy[i], raw[i], cal_rows[i], n, a)

@@ -81,8 +81,9 @@ def _plain_cost(policy, curve):
     return curve.nospec if getattr(policy, "no_drafter", False) else curve.plain
 
 
-def _play_step(policy, curve, plain, ids, raw, prev_raw, greedy, accepted):
-    """One step of ``len(ids)`` requests: the policy decides (skip, then
+def _play_step(policy, curve, plain, ids, raw, prev_raw, greedy, accepted, left=None):
+    """One step of ``len(ids)`` requests (``left``: the tokens each has left
+    before its end, None in a refilled batch): the policy decides (skip, then
     lengths) before it sees the outcomes, which it is shown last. Returns
     (lengths or None, accepted drafts per request, target seconds, drafting
     seconds). A step the policy ran plain costs a no-spec engine's step."""
@@ -97,7 +98,7 @@ def _play_step(policy, curve, plain, ids, raw, prev_raw, greedy, accepted):
         tokens = r + int(lengths.sum())
         target_s, draft_s = float(curve.spec(r, tokens)), float(curve.draft(r))
     policy.observe(ids, lengths, None if lengths is None else got, r, tokens, target_s, draft_s,
-                   0 if lengths is None else r)
+                   0 if lengths is None else r, left)
     return lengths, got, target_s, draft_s
 
 
@@ -141,7 +142,7 @@ def replay_waves(policy, trace, wave: int, max_tokens: int, prompt_tokens: int, 
             raw = np.stack([b[0] for b in blocks])
             _, got, target_s, draft_s = _play_step(
                 policy, curve, plain, [f"{w}-{i}" for i in live], raw, raw, [b[1] for b in blocks],
-                np.array([b[2] for b in blocks]))
+                np.array([b[2] for b in blocks]), [max_tokens - made[i] for i in live])
             res.seconds += target_s + draft_s
             for j, i in enumerate(live):
                 step = min(1 + int(got[j]), max_tokens - made[i])

@@ -37,7 +37,7 @@ class Policy:
     def lengths(self, ids: list[str], raw: np.ndarray, prev_raw: np.ndarray, greedy: list[bool]) -> np.ndarray:
         raise NotImplementedError
 
-    def observe(self, ids, lengths, accepted, num_reqs, tokens, target_s, draft_s, drafted) -> None:
+    def observe(self, ids, lengths, accepted, num_reqs, tokens, target_s, draft_s, drafted, left=None) -> None:
         pass
 
 
@@ -104,12 +104,12 @@ class ControllerPolicy(Policy):
         return np.asarray(self.ctl.choose(DraftBlocks(list(ids), conf, [raw.shape[1]] * len(ids), greedy)),
                           dtype=np.int64)
 
-    def observe(self, ids, lengths, accepted, num_reqs, tokens, target_s, draft_s, drafted):
+    def observe(self, ids, lengths, accepted, num_reqs, tokens, target_s, draft_s, drafted, left=None):
         self._now += self._target_s + draft_s
         if not self.coasted:
             self.ctl.end_step(StepTiming(draft_s, drafted))
         if lengths is not None:
-            self._last = VerifyOutcome(list(ids), [int(n) for n in lengths], [int(a) for a in accepted])
+            self._last = VerifyOutcome(list(ids), [int(n) for n in lengths], [int(a) for a in accepted], left)
 
 
 class _SimRequests:
