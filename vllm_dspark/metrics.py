@@ -6,6 +6,11 @@ every SNAPSHOT_INTERVAL_S in a directory named after the engine's
 instance_id (which the worker's VllmConfig carries from the serving
 process), and a Prometheus collector registered in the serving process when
 it builds that config turns the newest snapshot into metrics at scrape time.
+Snapshots are made only while someone scrapes (the collector touches a
+marker file; the first scrape after a quiet spell waits for a fresh one):
+with the writer running unread, a dormant engine's steps at 4 requests took
+0.12-0.20 ms (3-5%) longer in its worker than a no-spec engine's, against
+0.03-0.08 ms with it stopped (AMD EPYC Zen 4, bf16, two runs each).
 
 Exported (all prefixed vllm_dspark:):
   verify_budget_tokens          gauge    draft tokens chosen for the last step
@@ -25,10 +30,13 @@ import json
 import os
 import tempfile
 import threading
+import time
 import weakref
 from pathlib import Path
 
 SNAPSHOT_INTERVAL_S = 0.5
+WANTED = "scraped"  # touched by the collector at every scrape
+WANTED_TTL_S = 60.0  # snapshots are made while the last scrape is this recent
 PREFIX = "vllm_dspark:"
 
 
@@ -63,10 +71,14 @@ class SnapshotWriter:
 
 def _write_loop(method: weakref.WeakMethod, path: Path, stop: threading.Event) -> None:
     last = None
+    wanted = path.parent / WANTED
     while not stop.wait(SNAPSHOT_INTERVAL_S):
         fn = method()
         if fn is None:  # the runner is gone
             return
+        if not _recent(wanted):  # nobody reads them: no work next to the worker's steps
+            last = None  # a scrape after a quiet spell gets a fresh snapshot
+            continue
         try:
             snap = fn()
             if snap != last:
@@ -75,6 +87,13 @@ def _write_loop(method: weakref.WeakMethod, path: Path, stop: threading.Event) -
         except Exception:  # metrics must never take the worker down
             pass
         del fn  # hold the runner only while reading it
+
+
+def _recent(path: Path, within: float = WANTED_TTL_S) -> bool:
+    try:
+        return time.time() - path.stat().st_mtime < within
+    except OSError:
+        return False
 
 
 def write_json_atomic(path: Path, data) -> None:
@@ -101,12 +120,27 @@ class DSparkCollector:
     def __init__(self, directory: str):
         self.directory = directory
 
+    def _read(self) -> list[dict]:
+        """The workers' snapshots. Marks this scrape; after a quiet spell,
+        waits up to two intervals for the writer to leave a fresh one."""
+        directory = Path(self.directory)
+        marker = directory / WANTED
+        quiet = not _recent(marker)
+        directory.mkdir(parents=True, exist_ok=True)
+        marker.touch()
+        if quiet:
+            since, deadline = time.time() - 0.01, time.monotonic() + 2 * SNAPSHOT_INTERVAL_S + 0.25
+            while time.monotonic() < deadline and not any(
+                    f.stat().st_mtime >= since for f in directory.glob("worker-*.json")):
+                time.sleep(0.05)
+        return read_snapshots(self.directory)
+
     def collect(self):
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
         from vllm_dspark.controller.telemetry import ControllerSnapshot, value_sum
 
-        snaps = read_snapshots(self.directory)
+        snaps = self._read()
         if not snaps:
             return
         snap = ControllerSnapshot.from_json(snaps[0])  # rank 0 decides for every rank
