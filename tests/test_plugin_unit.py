@@ -525,3 +525,14 @@ def test_snapshots_are_made_only_while_scraped(tmp_path, monkeypatch):
         assert made and snaps and snaps[0]["n"] >= 1
     finally:
         writer.stop()
+
+    # Unread, the thread still ends with its runner (it holds none while it waits).
+    import gc
+
+    quiet = Runner()
+    writer = metrics.SnapshotWriter(tmp_path / "quiet", 0, quiet.snapshot)
+    writer._stop.wait(0.05)
+    del quiet
+    gc.collect()
+    writer._thread.join(timeout=2)
+    assert not writer._thread.is_alive(), "the thread outlived its runner"

@@ -78,6 +78,7 @@ def _write_loop(method: weakref.WeakMethod, path: Path, stop: threading.Event) -
             return
         if not _recent(wanted):  # nobody reads them: no work next to the worker's steps
             last = None  # a scrape after a quiet spell gets a fresh snapshot
+            del fn  # nor hold the runner while waiting
             continue
         try:
             snap = fn()
@@ -131,7 +132,7 @@ class DSparkCollector:
         if quiet:
             since, deadline = time.time() - 0.01, time.monotonic() + 2 * SNAPSHOT_INTERVAL_S + 0.25
             while time.monotonic() < deadline and not any(
-                    f.stat().st_mtime >= since for f in directory.glob("worker-*.json")):
+                    _recent(f, time.time() - since) for f in directory.glob("worker-*.json")):
                 time.sleep(0.05)
         return read_snapshots(self.directory)
 
