@@ -26,7 +26,8 @@ def main() -> None:
     from vllm_dspark.benchmarking import measure_offline, start_engine, stop_engine
 
     prompts = [json.loads(line)["text"] for line in Path(config["prompts"]).read_text().splitlines() if line.strip()]
-    llm = start_engine(config["target"], config["max_num_seqs"], spec=config["spec"], knobs=config.get("knobs"))
+    llm = start_engine(config["target"], config["max_num_seqs"], spec=config["spec"], knobs=config.get("knobs"),
+                       dtype=config.get("dtype", "bfloat16"))
     measure_offline(llm, prompts[:4], 4, 16)  # warm-up
     reply(ready=True, plugin=vllm_dspark.__file__)
     for line in sys.stdin:

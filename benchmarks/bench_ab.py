@@ -100,6 +100,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--pairs", type=int, default=30)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--identity-prompts", type=int, default=8)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "latest" / "ab_commits.json")
     args = ap.parse_args(argv)
     from bench_dspark import pair_summary
@@ -113,7 +114,7 @@ def main(argv=None) -> dict:
         head_root, head_id = work / "head", extract(args.head, work / "head")
     else:
         head_root, head_id = REPO, "working tree"
-    config = {"target": str(REPO / TINY_TARGET), "max_num_seqs": max(args.concurrency),
+    config = {"target": str(REPO / TINY_TARGET), "max_num_seqs": max(args.concurrency), "dtype": args.dtype,
               "prompts": str(REPO / "examples" / "prompts" / "heldout.jsonl"),
               "spec": {"method": "dspark", "model": str(REPO / TINY_DRAFTER), "num_speculative_tokens": 7},
               "knobs": {"persist_cost_model": False}}

@@ -111,6 +111,32 @@ def test_a_closed_batch_is_worth_what_its_longest_request_gained():
     assert b.excess == pytest.approx(3 * STEP)
 
 
+def test_an_accepted_draft_is_worth_what_it_saved_its_batch_in_the_gate():
+    """Closed batches where one request of four accepts every draft and the
+    rest none: the mean said 1.75 tokens a step, the batch gained none, so
+    an accepted draft is worth nothing and the gate's net falls by the whole
+    gain; open batches (lengths unknown) and even acceptance keep it whole."""
+    from vllm_dspark.controller.acceptance import AcceptanceModel
+    from vllm_dspark.controller.gate import Assessment
+    from vllm_dspark.controller.plan import NO_STEP, VerifyOutcome
+
+    def worth(accepted, left, steps=50):
+        model = AcceptanceModel(7, TUNING, calibrate=False)
+        for _ in range(steps):
+            outcome = VerifyOutcome(["a", "b", "c", "d"], [7] * 4, accepted, left)
+            model.observe(outcome, steps_saved(accepted, left))
+        return model.worth()
+
+    assert worth([7, 0, 0, 0], [100] * 4) == 0.0
+    assert worth([2, 2, 2, 2], [100] * 4) == 1.0
+    assert worth([7, 3, 2, 5], [100] * 4) == pytest.approx(2 / 4.25)
+    assert worth([7, 0, 0, 0], None) == 1.0
+    assert AcceptanceModel(7, TUNING, calibrate=False).worth() == 1.0  # nothing measured yet
+    estimate, costs = ([0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3], 1.0), _costs()
+    whole, none = (Assessment(7, estimate, costs, NO_STEP, 4, None, w).best() for w in (1.0, 0.0))
+    assert none.net < 0 < whole.net and none.spend == pytest.approx(whole.spend)
+
+
 def test_an_episode_ends_when_its_balance_is_spent_or_its_batch_is_unmeasured():
     b = _budget()
     b.settle(_plain())

@@ -100,3 +100,33 @@ def test_pinned_model_predicts_the_curve_and_does_not_learn():
     for _ in range(50):
         model.observe(4, 4, 0.5)
     assert model.params == CostParams(0.01, 0.0, 0.001) and model.mean_abs_pct_error > 90
+
+
+def test_a_verified_token_is_priced_by_the_plain_slope_until_verify_steps_vary():
+    """Batch 1, whole blocks: verify steps all carry 8 tokens, so their own
+    slope is not identified (fits to about 0) and would verify every block
+    whole. Plain steps with prompts (1 or 1 + 48 tokens) identify it: that
+    price stands in. Once verify steps vary, their own fit decides. Seeded
+    noise (3%, seed 0), no timing."""
+    from vllm_dspark.controller.clock import StepSample
+    from vllm_dspark.controller.costs import StepCosts
+    from vllm_dspark.controller.tuning import ControllerTuning
+
+    gen = torch.Generator().manual_seed(0)
+    costs = StepCosts(7, ControllerTuning())
+    t0, plain_tok, verify_tok = 5e-3, 3e-4, 1e-4
+
+    def step(tokens, verifies, per_token):
+        seconds = (t0 + per_token * tokens) * (1 + 0.03 * float(torch.randn(1, generator=gen)))
+        costs.observe(StepSample(1, tokens, verifies, seconds, 0.0, 0))
+
+    for i in range(200):
+        step(49 if i % 8 == 0 else 1, False, plain_tok)
+        step(8, True, verify_tok)
+    assert costs.verify.token_spread() < ControllerTuning().min_token_spread
+    assert costs.verify.params.t_tok < plain_tok / 3  # what verify steps alone say
+    assert costs.token_cost() == pytest.approx(plain_tok, rel=0.2)
+    assert costs.predict(1, 0, 7).per_token == costs.token_cost()
+    for i in range(400):  # verify lengths now vary: 1 + 0..7 tokens
+        step(1 + int(torch.randint(0, 8, (1,), generator=gen)), True, verify_tok)
+    assert costs.token_cost() == pytest.approx(verify_tok, rel=0.3)

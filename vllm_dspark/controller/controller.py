@@ -102,7 +102,7 @@ class DSparkController:
         """What verification did with last step's drafts."""
         self.telemetry.verified(outcome.num_verified, outcome.accepted)
         self._gained = (sum(outcome.num_verified), sum(outcome.accepted), steps_saved(outcome.accepted, outcome.left))
-        pending = self.acceptance.observe(outcome)
+        pending = self.acceptance.observe(outcome, self._gained[2])
         if pending is not None and self.telemetry.trace is not None:
             self.telemetry.trace_blocks(self.steps, pending, outcome)
 
@@ -163,7 +163,7 @@ class DSparkController:
             self.depth = self.k
             contexts = self._admit(requests)
             return self._skip(counted=contexts > 0) if contexts == 0 or dormancy.dormant else self._draft()
-        assessment = gate.assess(estimate, self.costs, self._view, rows)
+        assessment = gate.assess(estimate, self.costs, self._view, rows, self.acceptance.worth())
         verdict = assessment.best()
         curious = not self.costs.draft.trusted
         dormancy.update(verdict.net, verdict.spend, self.costs.margin(), settled=not curious, rows=rows)

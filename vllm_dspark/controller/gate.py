@@ -34,7 +34,7 @@ class Assessment:
     with and without the requests' caps."""
 
     def __init__(self, k: int, estimate: tuple[list[float], float], costs: StepCosts, view: StepView,
-                 rows: int, slo: float | None):
+                 rows: int, slo: float | None, worth: float = 1.0):
         mean_surv, ratio = estimate
         est = costs.predict(rows, view.prefill_tokens, k)
         self.k, self.rows, self.plain = k, rows, est.plain
@@ -42,7 +42,9 @@ class Assessment:
         self._limits = step_limits(view, rows, slo)
         surv = [min(1.0, s * ratio) for s in mean_surv]
         self._levels = [s / p if p > 0 else 0.0 for s, p in zip(surv, [1.0, *surv[:-1]])]
-        self._value = costs.token_value(view.coming(rows))
+        # What the workload made an accepted draft worth (acceptance.py); a
+        # user's pinned curve decides alone, as its margin does (costs.py).
+        self._value = costs.token_value(view.coming(rows)) * (1.0 if costs.alone else worth)
         self._shallow = costs.walk_priced()
         self._walk = costs.walk.params.predict(rows, 0) if self._shallow else 0.0
 
@@ -76,8 +78,9 @@ class DraftGate:
         self._skips_in_row = 0  # skipped steps since the last drafting one
         self._since_skip = 0  # steps since the last skip
 
-    def assess(self, estimate, costs: StepCosts, view: StepView, rows: int) -> Assessment:
-        return Assessment(self.k, estimate, costs, view, rows, self.slo)
+    def assess(self, estimate, costs: StepCosts, view: StepView, rows: int, worth: float = 1.0) -> Assessment:
+        """``worth``: an accepted draft's share of a decoded token (AcceptanceModel.worth)."""
+        return Assessment(self.k, estimate, costs, view, rows, self.slo, worth)
 
     def skipped(self, steps: int = 1) -> None:
         """Steps skipped without the rule (dormant): a probe falls due as it would have."""

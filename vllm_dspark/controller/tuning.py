@@ -70,7 +70,7 @@ class ControllerTuning:
     # Adaptive lengths (policies.py)
     vary_lengths_every: int = 32  # drafting steps per length shift while the per-token cost is unidentified
     vary_shift: int = 3  # the shift's range, -x..x tokens per request
-    min_token_spread: float = 0.1  # relative spread of verified tokens below which the shifts run
+    min_token_spread: float = 0.1  # relative spread of verified tokens below which the shifts run and the plain slope prices a token
     # Dormancy (dormancy.py)
     dormant_skip_share: float = 0.9  # share of recent steps that skipped drafting before dormancy
     dormant_recheck_every: int = 8  # steps between full checks while dormant
