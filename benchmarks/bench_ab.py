@@ -150,7 +150,7 @@ def main(argv=None) -> dict:
     same = sum(a == b for a, b in zip(outs["head"], outs["base"]))
     print(f"[ab] greedy outputs identical on {same} of {args.identity_prompts} prompts", flush=True)
     record = {"command": " ".join(["python", "benchmarks/bench_ab.py", *(argv or sys.argv[1:])]),
-              "machine": machine_info(), "max_tokens": args.max_tokens,
+              "machine": machine_info(), "dtype": args.dtype, "max_tokens": args.max_tokens,
               "base": {"label": f"base {args.base}", "commit": base_id},
               "head": {"label": f"head {args.head or 'working tree'}", "commit": head_id},
               "concurrency": rows, "identical_greedy_outputs": {"prompts": args.identity_prompts, "identical": same},
