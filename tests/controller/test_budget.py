@@ -525,3 +525,47 @@ def test_an_episode_that_gained_is_due_again_at_once_though_a_losing_stretch_end
         b.settle(_plain())
         waited += 1
     assert waited > 0
+
+
+def test_a_no_spec_price_fades_while_speculating_and_plain_steps_measure_it_anew():
+    """The no-spec price of a 4-request step was measured in a slow spell
+    (9.5 ms; the machine then ran it in 5 ms). Speculating steps of 11 ms
+    that saved one step each looked like a gain against it forever: nothing
+    plain runs while awake. A price is good for budget_price_age_steps;
+    past budget_price_age_steps the episode goes unpriced and ends, not
+    marked lost (it had gained), and the model having faded meanwhile, a
+    few plain steps price the step afresh, against which the same steps lose."""
+    from vllm_dspark.controller.costs import StepCosts
+
+    costs, reqs, slow, fast = StepCosts(7, TUNING), 4, 0.0095, 0.005
+    b = ExplorationBudget(costs.nospec, TUNING, costs.decode)
+
+    def step(s: StepSample) -> None:
+        costs.observe(s)
+        b.settle(s)
+
+    for _ in range(4 * TUNING.budget_warmup_steps):
+        step(StepSample(reqs, reqs, False, slow, 0.0, 0, plain=True))
+    b.open(False, reqs)
+    spec = StepSample(reqs, 4 * reqs, True, 0.011, 0.001, reqs, plain=False, draft_tokens=3 * reqs,
+                      accepted=reqs, saved=1.0)
+    steps, age = 0, TUNING.budget_price_age_steps
+    while not b.spent(0.0):
+        step(spec)
+        steps += 1
+        assert steps <= age + TUNING.budget_unpriced_steps, "a price measured once priced speculation forever"
+    assert b.gaining(reqs) and b.excess < 0  # priced against the stale step, it gained
+    b.close()
+    assert b.gained(reqs)
+    assert not b.affords_episode(False, reqs)  # nothing to price it against until plain steps run
+    plain = 0
+    while not b.affords_episode(False, reqs):
+        step(StepSample(reqs, reqs, False, fast, 0.0, 0, plain=True))
+        plain += 1
+    assert plain <= 2 and b.retest_due(reqs) is False and b.gained(reqs)  # due: it gained, not marked lost
+    assert costs.decode.params.predict(reqs, reqs) == pytest.approx(fast, rel=0.02)
+    b.open(False, reqs)
+    before = b.excess
+    for _ in range(TUNING.trial_steps):
+        step(spec)
+    assert b.excess > before and not b.gaining(reqs)  # 11 ms against two 5-ms steps

@@ -40,7 +40,11 @@ batch size and one step's drafting, plus the nospec model's error, whatever
 the other models believe. A speculating step at a batch size
 or token count the nospec model has not seen lately is not priced; enough of
 them in a row end the episode, so plain steps measure it; none starts at a
-batch size the nospec model has not measured.
+batch size the nospec model has not measured. Lately: within
+``budget_price_age_steps`` speculating steps of a plain step (the machine
+drifts), so a long episode ends once its price is that old, and plain steps
+measure it anew; what the models saw before fades meanwhile (cost_model.py,
+``fade``), so those few steps set the price.
 
 What an episode measured is kept per batch size (a power of two): it is
 gaining at the batch size of this step only (a gain banked at one request
@@ -71,7 +75,8 @@ class ExplorationBudget:
         self._nospec, self._decode = nospec, decode or nospec
         t = tuning
         self._share, self._cap, self._reserve = t.budget_share, t.budget_cap_steps, t.episode_tokens
-        self._warmup, self._max_unpriced = t.budget_warmup_steps, t.budget_unpriced_steps
+        self._warmup, self._max_unpriced, self._max_age = (t.budget_warmup_steps, t.budget_unpriced_steps,
+                                                           t.budget_price_age_steps)
         self.balance = 0.0  # seconds
         self._at_cap = False  # the balance reached its cap, nothing spent since
         self.excess = 0.0  # seconds speculation cost over no speculation, all steps so far
@@ -114,7 +119,7 @@ class ExplorationBudget:
             return
         prompts = s.tokens - s.draft_tokens > s.reqs
         saved = (s.accepted / s.reqs if s.saved is None else s.saved) * self._step
-        if not (self._token and decodes and (not prompts or nospec.covers(s.reqs, s.tokens - s.draft_tokens))):
+        if not (self._token and decodes and (not prompts or self._fresh(nospec, s.reqs, s.tokens - s.draft_tokens))):
             self._unpriced += 1
             if self._token and (prompts or s.reqs < self._step_reqs):
                 # No baseline at this step's batch, but a bound: a prompt-heavy step's drafter time
@@ -179,9 +184,11 @@ class ExplorationBudget:
         """The episode ended. Each batch size it measured over
         ``trial_steps`` priced steps is remembered as gaining (with what it
         gained, up to the cap) or not; a shorter stretch there draws its loss
-        on that gain. One that lost where nothing is gained (or could not be
-        priced) marks its batch size: the next episode there waits until the
-        loss is earned back, twice that after two in a row, and so on."""
+        on that gain. One that lost, or could not be priced, where nothing is
+        gained marks its batch size: the next episode there waits until the
+        loss is earned back, twice that after two in a row, and so on. One
+        that gained and then went unpriced (its price grew old) is due again once
+        plain steps have measured it afresh."""
         for rows_class, (excess, steps) in self._gain.items():
             if steps >= self._min_gain_steps:
                 fund = -excess  # measured: the episode's own result decides
@@ -194,7 +201,7 @@ class ExplorationBudget:
             else:
                 self._won.pop(rows_class, None)
         unpriced = self._unpriced >= self._max_unpriced
-        if unpriced or (self.balance < self._opened and self._episode not in self._won):
+        if (unpriced or self.balance < self._opened) and self._episode not in self._won:
             # An unpriced episode measured nothing: count it as a reserve lost.
             lost = max(self._opened - self.balance, self._reserve * self._token if unpriced else 0.0)
             _, losses = self._marks.get(self._episode, (0.0, 0))
@@ -222,7 +229,12 @@ class ExplorationBudget:
 
     def measured(self, rows: int) -> bool:
         """Have plain decode steps of about ``rows`` requests been measured lately?"""
-        return self._decode.covers(rows, rows)
+        return self._fresh(self._decode, rows, rows)
+
+    def _fresh(self, model: OnlineCostModel, reqs: int, tokens: int) -> bool:
+        """Has ``model`` seen steps like this lately, and a plain step at all
+        within ``budget_price_age_steps`` speculating steps?"""
+        return model.idle <= self._max_age and model.covers(reqs, tokens)
 
     def retest_due(self, rows: int) -> bool:
         """The last episode at about ``rows`` requests lost, and what it must

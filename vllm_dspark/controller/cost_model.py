@@ -56,6 +56,7 @@ class OnlineCostModel:
         self.theta = list(self._prior)
         self._params = self._to_params()
         self.observations = 0
+        self.idle = 0  # steps since the last observation that it did not learn from (fade)
         self.errors: deque[float] = deque(maxlen=tuning.error_window)  # |pred - measured| / measured
         self.loaded_from: str | None = None
         self.pinned = False
@@ -93,16 +94,29 @@ class OnlineCostModel:
             return rel_err
         scale = self._scale
         x = (1.0 / scale[0], num_reqs / scale[1], num_tokens / scale[2])
-        lam = tuning.forgetting
+        lam, self.idle = tuning.forgetting ** (1 + self.idle), 0
         for row, xi in zip(self.xtx, x):  # in place: three of these run every step
             row[0] = lam * row[0] + xi * x[0]
             row[1] = lam * row[1] + xi * x[1]
             row[2] = lam * row[2] + xi * x[2]
         self.xty = [lam * y + xi * seconds for y, xi in zip(self.xty, x)]
         self.observations += 1
-        if self.observations <= tuning.refit_warmup or self.observations % tuning.refit_every == 0:
+        # Refit every step while the statistics are light (young, or faded: fade).
+        if self.xtx[0][0] <= tuning.refit_warmup or self.observations % tuning.refit_every == 0:
             self._solve()
         return rel_err
+
+    def fade(self) -> None:
+        """A step ran that this model does not learn from (the nospec models
+        while speculating). ``idle`` counts them; at the next observation
+        what the model saw fades as though they had been observed, so a
+        model that was not fed for a long stretch takes its next few steps'
+        word, not its old fit's (awake, no plain step refreshes the nospec
+        models: an engine priced a no-spec step from a slow spell's warm-up at
+        1.9x its time and drafted on at 0.90x no-spec, its budget measuring
+        a gain)."""
+        if not self.pinned:
+            self.idle += 1
 
     def _solve(self) -> None:
         w = self.tuning.prior_weight

@@ -139,6 +139,9 @@ class StepCosts:
         target.observe(s.reqs, s.tokens, target_seconds)
         if s.plain:
             self.observe_plain(s.reqs, s.tokens, s.seconds)
+        else:  # what no speculation costs was measured a step longer ago
+            self.nospec.fade()
+            self.decode.fade()
         self._errors.append(abs(predicted - s.seconds) / s.seconds)
         return predicted
 

@@ -21,7 +21,7 @@ class CostModelTuning:
     outlier_ratio: float = 4.0  # a step this many times its prediction is a stall: scored, not fitted
     min_observations: int = 20  # a model is trusted (and screened for stalls) after this many steps
     error_window: int = 500  # steps the reported prediction error covers
-    refit_warmup: int = 64  # refit after every step until this many have been seen...
+    refit_warmup: int = 64  # refit after every step while the steps seen weigh less than this (decayed)...
     refit_every: int = 8  # ...then every this many (the statistics take in every step)
 
 
@@ -82,6 +82,7 @@ class ControllerTuning:
     episode_tokens: float = 32.0  # decoded tokens' worth the balance must hold before a speculating episode starts
     budget_warmup_steps: int = 8  # plain steps the nospec model sees before steps are priced
     budget_unpriced_steps: int = 16  # speculating steps in a row at an unmeasured batch size that end an episode
+    budget_price_age_steps: int = 2048  # speculating steps a no-spec price stays good for: older risks drift, sooner costs context
     trial_steps: int = 32  # drafting steps an exploring episode takes whatever the models say: what it learns from
     cost: CostModelTuning = field(default_factory=CostModelTuning)
     calibration: CalibrationTuning = field(default_factory=CalibrationTuning)
