@@ -372,8 +372,8 @@ def main(argv=None) -> dict:
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps(record, indent=2) + "\n")  # checkpoint: a crash keeps the cells done
             print(f"[matrix] {key} run done in {time.time() - t0:.0f} s (elapsed {(time.time() - t_all) / 60:.1f} min)")
-            for label, row in cell["summary"].items():
-                print(f"[matrix] {key} {label}: {row_line(row)}", flush=True)
+            for row_label, row in cell["summary"].items():  # not label: the next run's rate reads it
+                print(f"[matrix] {key} {row_label}: {row_line(row)}", flush=True)
     record.update(benchmark="matrix", machine=machine, target=args.target, drafter=args.drafter,
                   command=" ".join(["python", "benchmarks/bench_matrix.py", *argv]),
                   note="each cell's runs carry their own provenance (commit, env, CPU, engine dtype and KV "

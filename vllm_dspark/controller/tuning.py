@@ -82,7 +82,7 @@ class ControllerTuning:
     episode_tokens: float = 32.0  # decoded tokens' worth the balance must hold before a speculating episode starts
     budget_warmup_steps: int = 8  # plain steps the nospec model sees before steps are priced
     budget_unpriced_steps: int = 16  # speculating steps in a row at an unmeasured batch size that end an episode
-    budget_price_age_steps: int = 2048  # speculating steps a no-spec price stays good for: older risks drift, sooner costs context
+    budget_price_age_steps: int = 2048  # speculating steps a no-spec price holds: longer risks drift, shorter costs context
     trial_steps: int = 32  # drafting steps an exploring episode takes whatever the models say: what it learns from
     cost: CostModelTuning = field(default_factory=CostModelTuning)
     calibration: CalibrationTuning = field(default_factory=CalibrationTuning)
