@@ -725,3 +725,32 @@ def test_drafting_is_judged_at_the_best_depth():
     assert ctl.plan(_Requests(["a"])) == ("draft", 2, frozenset())
     ctl, _ = _depth_ctl(2.5e-3)
     assert ctl.plan(_Requests(["a"], [1])) == ("draft", 1, frozenset())
+
+
+def test_drafts_in_an_open_batch_are_worth_each_requests_own_steps():
+    """Two requests, "a" 60 tokens from its end and "b" 10. Together from
+    the start (a wave: closed), the batch ends with "a", and "b"'s 4
+    accepted drafts save it nothing. "b" joining while "a" runs (serving:
+    open), each request's drafts save its own steps: the mean per request.
+    A cohort admitted over two steps (prompts chunked) stays closed; the next
+    batch to start from empty is closed again."""
+    def saved(ctl) -> float:
+        ctl.observe(VerifyOutcome(["a", "b"], [4, 4], [0, 4], [60, 10]))
+        return ctl._gained[2]
+
+    wave = _ctl()
+    wave.begin_step(_view(("a", "b"), new=("a", "b")))
+    wave.begin_step(_view(("a", "b")))
+    assert saved(wave) == 0
+    chunked = _ctl()
+    chunked.begin_step(_view(("a",), new=("a",)))
+    chunked.begin_step(_view(("a", "b"), new=("b",)))
+    chunked.begin_step(_view(("a", "b")))
+    assert saved(chunked) == 0
+    served = _ctl()
+    served.begin_step(_view(("a",), new=("a",)))
+    served.begin_step(_view(("a",)))
+    served.begin_step(_view(("a", "b"), new=("b",)))
+    assert saved(served) == 2
+    served.begin_step(_view(("c", "d"), new=("c", "d")))  # the last batch ended; a new one begins
+    assert not served.arrivals.open

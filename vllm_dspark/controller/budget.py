@@ -293,9 +293,9 @@ def steps_saved(accepted: list[int], left: list[int | None] | None) -> float:
     requests that end sooner save it little: at a few requests, where a step
     costs about the same whatever the batch, one request that accepted every
     draft while the rest accepted one or two made drafting steps look 1.7x
-    as productive as plain ones, and the wave took 1.5x as long. With
-    staggered requests the longest is one request, as likely as any to
-    accept. Lengths unknown: the mean per request."""
+    as productive as plain ones, and the wave took 1.5x as long. Lengths
+    unknown, or the batch open (requests joined it: arrivals.py): the mean
+    per request."""
     if not accepted:
         return 0.0
     if left is None or None in left:

@@ -12,6 +12,7 @@ back as a StepPlan or verify lengths. The parts, one job each:
   coasting   Coasting           plain steps: their bookkeeping; the dormant ones coast
   budget     ExplorationBudget  what speculation cost against none, measured
   ledger     ContextLedger      which requests keep drafter context
+  arrivals   Arrivals           is the running batch closed (waves) or open (serving)
   telemetry  Telemetry          totals, the snapshot, traces
 
 Every input to a length is known before the drafts are looked at: the lengths
@@ -26,7 +27,8 @@ import torch
 
 from vllm_dspark.config import DSparkKnobs
 from vllm_dspark.controller.acceptance import AcceptanceModel
-from vllm_dspark.controller.budget import ExplorationBudget, steps_saved
+from vllm_dspark.controller.arrivals import Arrivals
+from vllm_dspark.controller.budget import ExplorationBudget
 from vllm_dspark.controller.clock import StepClock, StepSample
 from vllm_dspark.controller.coasting import Coasting
 from vllm_dspark.controller.context_ledger import ContextLedger
@@ -58,11 +60,10 @@ class DSparkController:
         # A pinned cost curve decides alone: no measured guard over it.
         self.dormancy = Dormancy(tuning, knobs.dormant_after_steps if self.policy.gates_drafting else 0,
                                  None if knobs.cost_curve else self.budget)
-        self.ledger = ContextLedger()
+        self.ledger, self.arrivals = ContextLedger(), Arrivals()
         self.telemetry = Telemetry(block_len, knobs.trace_folder(), knobs.policy, knobs.log_every)
         self.clock = StepClock(tuning, now, share)
-        self.coasting = Coasting(plain_steps, self.dormancy, self.budget, self.ledger, self.gate, self.telemetry,
-                                 self.costs)
+        self.coasting = Coasting(plain_steps, self.dormancy, self.budget, self.ledger, self.gate, self.telemetry, self.costs)
         self.steps = 0  # steps recorded or counted
         self.depth = block_len  # the walk depth of the last plan
         self._view, self._gained = NO_STEP, (0, 0, 0.0)  # this step's view; its drafts verified, accepted, saved
@@ -79,6 +80,7 @@ class DSparkController:
         self.coasting.timed(self.clock.span, view)
         self._view, self._gained = view, (0, 0, 0.0)
         self.ledger.forget(view.finished_req_ids)
+        self.arrivals.step(view)
         # A step in which no request keeps drafter context has no speculative work either.
         (self._plain_step,) = self.clock.agree(not view.verifies and (self.dormancy.dormant or (
             self.dormancy.enabled and not view.new_req_ids and self.ledger.all_without(view.req_ids))))
@@ -101,7 +103,7 @@ class DSparkController:
     def observe(self, outcome: VerifyOutcome) -> None:
         """What verification did with last step's drafts."""
         self.telemetry.verified(outcome.num_verified, outcome.accepted)
-        self._gained = (sum(outcome.num_verified), sum(outcome.accepted), steps_saved(outcome.accepted, outcome.left))
+        self._gained = (sum(outcome.num_verified), sum(outcome.accepted), self.arrivals.saved(outcome))
         pending = self.acceptance.observe(outcome, self._gained[2])
         if pending is not None and self.telemetry.trace is not None:
             self.telemetry.trace_blocks(self.steps, pending, outcome)
@@ -113,8 +115,7 @@ class DSparkController:
             self._admit(requests)  # under every policy, a stale cached prefix admits without context
         gated = self.policy.gates_drafting and rows > 0 and self._skips(rows, requests)
         skips, self.depth = self.clock.agree(gated, self.depth)
-        return StepPlan("skip", self.depth, self.ledger.among(requests.req_ids)) if skips else StepPlan(
-            "draft", self.depth)
+        return StepPlan("skip", self.depth, self.ledger.among(requests.req_ids)) if skips else StepPlan("draft", self.depth)
 
     def choose(self, blocks: DraftBlocks) -> list[int]:
         """Verify lengths [B] for this step's blocks."""
@@ -135,9 +136,8 @@ class DSparkController:
         view = self._view
         if busy is None or view.num_reqs == 0:
             return
-        recorded = not (self.telemetry.trace is None and self.budget.ready
-                        and self.dormancy.unrecorded(timing.drafted, view.verifies,
-                                                     lambda: self.budget.measured(view.num_reqs)))
+        recorded = not (self.telemetry.trace is None and self.budget.ready and self.dormancy.unrecorded(
+            timing.drafted, view.verifies, lambda: self.budget.measured(view.num_reqs)))
         walked = timing.drafted and timing.walk_seconds > 0
         self.clock.hold(StepSample(view.num_reqs, view.tokens, view.verifies, busy - timing.excluded_seconds,
                                    timing.draft_seconds - timing.excluded_seconds, timing.drafted,
