@@ -49,7 +49,7 @@ class DSparkRunnerMixin:
         self.dspark = DSparkController(parse_knobs(vllm_config.additional_config), self.drafter.block_len,
                                        fingerprint=cost_fingerprint(vllm_config), cache_dir=cost_cache_dir(),
                                        plain_steps=self._plain_switch.allowed, now=step_clock(parallel.rank),
-                                       share=rank0_share(parallel.tensor_parallel_size))
+                                       share=rank0_share(parallel.tensor_parallel_size), canary=self.device.type == "cpu")
         # Queued context is written only for live requests that keep it.
         self.drafter.context_queue.live_requests = self.dspark.ledger.wanted(self.requests)
         self._step_verifies = self._coasting = False

@@ -569,3 +569,79 @@ def test_a_no_spec_price_fades_while_speculating_and_plain_steps_measure_it_anew
     for _ in range(TUNING.trial_steps):
         step(spec)
     assert b.excess > before and not b.gaining(reqs)  # 11 ms against two 5-ms steps
+
+
+class _Canary:
+    """A machine whose pace the test sets: the canary takes ``seconds`` on a fake clock."""
+
+    def __init__(self, seconds: float):
+        self.seconds, self.t = seconds, 0.0
+
+    def now(self) -> float:
+        return self.t
+
+    def work(self) -> None:
+        self.t += self.seconds
+
+
+def test_the_machine_pace_is_a_median_of_canaries_every_few_steps_in_rank_0s_time():
+    from vllm_dspark.controller.pace import MachinePace
+
+    assert MachinePace(TUNING).tick(0) == 0.0  # no canary (simulator, GPU): the factor stays 1
+    canary, every, window = _Canary(1e-4), TUNING.pace_every_steps, TUNING.pace_window
+    pace = MachinePace(TUNING, canary=True, now=canary.now, work=canary.work)
+    assert pace.tick(0) == pytest.approx(1e-4) and pace.factor == 1.0
+    assert pace.tick(every - 1) == 0.0  # not due
+    canary.seconds = 2e-4
+    for k in range(1, window):
+        pace.tick(k * every)
+    assert pace.factor == pytest.approx(2.0)  # most of the window ran at half the first canary's pace
+    shared = [3e-4]
+    ranks = MachinePace(TUNING, canary=True, now=canary.now, work=canary.work, share=lambda v: shared)
+    assert ranks.tick(0) == pytest.approx(2e-4)  # the step leaves out its own canary...
+    shared = [6e-4]
+    for k in range(1, window):
+        ranks.tick(k * every)
+    assert ranks.factor == pytest.approx(2.0)  # ...and prices by rank 0's
+
+
+@pytest.mark.parametrize("paced", [False, True])
+def test_a_no_spec_price_from_a_slow_spell_follows_the_machine_back_up(paced):
+    """The machine ran a 4-request plain step in 9.5 ms in a slow spell
+    (its canary at twice its usual time), then at its usual pace, where the
+    step takes 5 ms, speculated: 11-ms steps that saved one step each. Priced
+    against the spell they look 8 ms ahead each, and the episode never ends
+    before the price grows old (the unpaced case, as before pace.py); priced
+    at today's pace they lose 1 ms each and the episode ends within a few
+    dozen steps."""
+    from vllm_dspark.controller.costs import StepCosts
+    from vllm_dspark.controller.pace import MachinePace
+
+    canary, reqs = _Canary(2e-4), 4
+    pace = MachinePace(TUNING, canary=paced, now=canary.now, work=canary.work)
+    costs = StepCosts(7, TUNING, pace=pace)
+    b, steps = ExplorationBudget(costs.nospec, TUNING, costs.decode, pace), 0
+
+    def step(s: StepSample) -> None:
+        nonlocal steps
+        pace.tick(steps)
+        costs.observe(s)
+        b.settle(s)
+        steps += 1
+
+    for _ in range(4 * TUNING.budget_warmup_steps):
+        step(StepSample(reqs, reqs, False, 0.0095, 0.0, 0, plain=True))
+    canary.seconds = 1e-4  # the spell ends
+    spec = StepSample(reqs, 4 * reqs, True, 0.011, 0.001, reqs, plain=False, draft_tokens=3 * reqs,
+                      accepted=reqs, saved=1.0)
+    for _ in range(TUNING.pace_window * TUNING.pace_every_steps):  # the pace follows within a window
+        step(spec)
+    b.open(False, reqs)
+    before, ran = b.excess, 0
+    while not b.spent(0.0) and ran < TUNING.budget_price_age_steps // 2:
+        step(spec)
+        ran += 1
+    if paced:
+        assert b.excess > before and ran < 64 and not b.gaining(reqs)
+    else:
+        assert b.excess < before and ran == TUNING.budget_price_age_steps // 2 and b.gaining(reqs)

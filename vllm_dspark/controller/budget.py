@@ -44,7 +44,9 @@ batch size the nospec model has not measured. Lately: within
 ``budget_price_age_steps`` speculating steps of a plain step (the machine
 drifts), so a long episode ends once its price is that old, and plain steps
 measure it anew; what the models saw before fades meanwhile (cost_model.py,
-``fade``), so those few steps set the price.
+``fade``), so those few steps set the price. Within that age the machine's
+drift is divided out: the nospec models learn in the units of a canary timed
+every few steps, and a price is in seconds at its pace now (pace.py).
 
 What an episode measured is kept per batch size (a power of two): it is
 gaining at the batch size of this step only (a gain banked at one request
@@ -65,14 +67,17 @@ import math
 
 from vllm_dspark.controller.clock import StepSample
 from vllm_dspark.controller.cost_model import OnlineCostModel
+from vllm_dspark.controller.pace import MachinePace
 from vllm_dspark.controller.tuning import ControllerTuning
 
 
 class ExplorationBudget:
-    def __init__(self, nospec: OnlineCostModel, tuning: ControllerTuning, decode: OnlineCostModel | None = None):
+    def __init__(self, nospec: OnlineCostModel, tuning: ControllerTuning, decode: OnlineCostModel | None = None,
+                 pace: MachinePace | None = None):
         """``decode``: the nospec model of decode steps alone (costs.py), which
-        prices decoded tokens and decode steps (default: ``nospec``)."""
-        self._nospec, self._decode = nospec, decode or nospec
+        prices decoded tokens and decode steps (default: ``nospec``). Both
+        learn in ``pace``'s units; priced at its factor now (pace.py)."""
+        self._nospec, self._decode, self._pace = nospec, decode or nospec, pace or MachinePace(tuning)
         t = tuning
         self._share, self._cap, self._reserve = t.budget_share, t.budget_cap_steps, t.episode_tokens
         self._warmup, self._max_unpriced, self._max_age = (t.budget_warmup_steps, t.budget_unpriced_steps,
@@ -108,7 +113,7 @@ class ExplorationBudget:
         nospec = self._nospec
         decodes = self.measured(s.reqs)
         if decodes:  # the price of a decoded token at this batch
-            self._step = self._decode.params.predict(s.reqs, s.reqs)
+            self._step = self._price(self._decode, s.reqs, s.reqs)
             self._token, self._step_reqs = self._step / s.reqs, s.reqs
             if s.reqs.bit_length() not in self._granted:  # a batch size's first reserve is granted
                 self._granted.add(s.reqs.bit_length())
@@ -132,7 +137,7 @@ class ExplorationBudget:
                 self._charge(max(s.seconds + s.extra_seconds - excess, 0.0), excess, s.reqs, priced=False)
             return
         self._unpriced = 0
-        baseline = (nospec.params.predict(s.reqs, s.tokens - s.draft_tokens) if prompts else self._step) + saved
+        baseline = (self._price(nospec, s.reqs, s.tokens - s.draft_tokens) if prompts else self._step) + saved
         self._charge(baseline, s.seconds + s.extra_seconds - baseline, s.reqs)
 
     def _charge(self, baseline: float, excess: float, reqs: int, priced: bool = True) -> None:
@@ -153,7 +158,11 @@ class ExplorationBudget:
         requests and ``tokens`` tokens: priced by the nospec models, which
         every rank holds alike."""
         if self._step:
-            self.earn(steps * (self._decode if tokens == reqs else self._nospec).params.predict(reqs, tokens))
+            self.earn(steps * self._price(self._decode if tokens == reqs else self._nospec, reqs, tokens))
+
+    def _price(self, model: OnlineCostModel, reqs: int, tokens: int) -> float:
+        """Seconds a step without speculation takes now (the model learns in pace units)."""
+        return model.params.predict(reqs, tokens) * self._pace.factor
 
     def _pay_in(self, baseline: float, amount: float) -> None:
         """A priced step: no speculation would have taken ``baseline``; the

@@ -99,6 +99,11 @@ class StepClock:
         start, self._t_start = self._t_start, None
         return now - start
 
+    def exclude(self, seconds: float) -> None:
+        """Leave ``seconds`` just spent (the pace canary) out of the step begun."""
+        if self._t_start is not None:
+            self._t_start += seconds
+
     def hold(self, sample: StepSample) -> None:
         """Record ``sample`` at the next ``begin``, once the gap after it is known."""
         self._held = sample

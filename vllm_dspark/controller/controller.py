@@ -13,6 +13,7 @@ back as a StepPlan or verify lengths. The parts, one job each:
   budget     ExplorationBudget  what speculation cost against none, measured
   ledger     ContextLedger      which requests keep drafter context
   arrivals   Arrivals           is the running batch closed (waves) or open (serving)
+  pace       MachinePace        how fast the machine runs now (the budget's prices follow it)
   telemetry  Telemetry          totals, the snapshot, traces
 
 Every input to a length is known before the drafts are looked at: the lengths
@@ -35,6 +36,7 @@ from vllm_dspark.controller.context_ledger import ContextLedger
 from vllm_dspark.controller.costs import StepCosts
 from vllm_dspark.controller.dormancy import Dormancy
 from vllm_dspark.controller.gate import DraftGate, level_counts
+from vllm_dspark.controller.pace import MachinePace
 from vllm_dspark.controller.plan import (NO_STEP, DraftBlocks, RequestView, StepPlan, StepTiming, StepView,
                                          VerifyOutcome)
 from vllm_dspark.controller.policies import make_policy
@@ -46,17 +48,17 @@ class DSparkController:
     def __init__(self, knobs: DSparkKnobs, block_len: int, *, tuning: ControllerTuning = ControllerTuning(),
                  fingerprint: str = "", cache_dir: Path | None = None, acceptance: AcceptanceModel | None = None,
                  plain_steps: bool = False, now: Callable[[], float] = time.perf_counter,
-                 share: Callable[[list[float]], list[float]] | None = None):
-        """``plain_steps``: the runner can run vLLM's plain step. ``now``: the clock. ``share``: rank_sync.py."""
+                 share: Callable[[list[float]], list[float]] | None = None, canary: bool = False):
+        """``plain_steps``: vLLM's plain step can run; ``now``: the clock; ``share``: rank_sync.py; ``canary``: pace.py."""
         self.knobs, self.k, self.tuning = knobs, block_len, tuning
-        self.policy = make_policy(knobs, tuning)
+        self.policy, self.pace = make_policy(knobs, tuning), MachinePace(tuning, canary, share)
         self.costs = StepCosts(block_len, tuning, fingerprint, cache_dir if knobs.persist_cost_model else None,
-                               price_walk=knobs.adaptive_depth, sized_block=knobs.depth_sized_block)
+                               price_walk=knobs.adaptive_depth, sized_block=knobs.depth_sized_block, pace=self.pace)
         if knobs.cost_curve:
             self.costs.pin(knobs.pinned_curve(), knobs.cost_curve, alone=True)
         self.acceptance = acceptance or AcceptanceModel(block_len, tuning, calibrate=knobs.calibration)
         self.gate = DraftGate(block_len, tuning, knobs.slo_tokens_per_s)
-        self.budget = ExplorationBudget(self.costs.nospec, tuning, self.costs.decode)
+        self.budget = ExplorationBudget(self.costs.nospec, tuning, self.costs.decode, self.pace)
         # A pinned cost curve decides alone: no measured guard over it.
         self.dormancy = Dormancy(tuning, knobs.dormant_after_steps if self.policy.gates_drafting else 0,
                                  None if knobs.cost_curve else self.budget)
@@ -67,8 +69,7 @@ class DSparkController:
         self.steps = 0  # steps recorded or counted
         self.depth = block_len  # the walk depth of the last plan
         self._view, self._gained = NO_STEP, (0, 0, 0.0)  # this step's view; its drafts verified, accepted, saved
-        self._plain_step = False  # this step runs without speculation
-        self._building = 1.0  # share of the last batch without drafter context
+        self._plain_step, self._building = False, 1.0  # this step runs plain; share of the batch without context
 
     # -- the step, in order -------------------------------------------------
     def begin_step(self, view: StepView) -> StepPlan | None:
@@ -77,6 +78,7 @@ class DSparkController:
         due, self.coasting.due = self.coasting.due, None
         self._count(self.coasting.book())
         self._record(self.clock.begin())
+        self.clock.exclude(self.pace.tick(self.steps))
         self.coasting.timed(self.clock.span, view)
         self._view, self._gained = view, (0, 0, 0.0)
         self.ledger.forget(view.finished_req_ids)
@@ -214,16 +216,14 @@ class DSparkController:
         self._count()
 
     def _count(self, steps: int = 1) -> None:
-        every = self.tuning.save_every_steps
-        before, self.steps = self.steps, self.steps + steps
+        before, self.steps, every = self.steps, self.steps + steps, self.tuning.save_every_steps
         if self.steps // every > before // every:
             self.close()
 
     def snapshot(self, unreported: int = 0) -> ControllerSnapshot:
         """What /metrics (read-only, from another thread), logs and benchmarks show; ``unreported``: coasted unasked."""
         return self.telemetry.snapshot(dormant=self.dormancy.dormant, acceptance=self.acceptance, costs=self.costs,
-                                       load=self._view.load, budget=self.budget,
-                                       coasted=self.coasting.pending + unreported)
+                                       load=self._view.load, budget=self.budget, coasted=self.coasting.pending + unreported)
 
     def close(self) -> None:
         self.costs.save()

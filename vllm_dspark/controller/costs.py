@@ -9,6 +9,7 @@
   decode  T_none(R, R)   the same, decode steps only (B = R): the budget's price
                          of a decoded token. Fitted beside prompt steps, a line
                          in B put a 4-request decode step 25-30% above its time.
+                         Both learn in the machine's pace units (pace.py).
 
 The engine runs mostly one kind of target step at a time, so when the load
 moves, the model of the other kind extrapolates in R from another batch size
@@ -24,6 +25,7 @@ from typing import NamedTuple
 from vllm_dspark.controller.clock import StepSample
 from vllm_dspark.controller.cost_curve import CostCurve
 from vllm_dspark.controller.cost_model import CostParams, OnlineCostModel
+from vllm_dspark.controller.pace import MachinePace
 from vllm_dspark.controller.tuning import ControllerTuning
 
 
@@ -38,8 +40,10 @@ class CostEstimate(NamedTuple):
 
 class StepCosts:
     def __init__(self, block_len: int, tuning: ControllerTuning, fingerprint: str = "",
-                 cache_dir: Path | None = None, price_walk: bool = True, sized_block: bool = False):
-        self.k = block_len
+                 cache_dir: Path | None = None, price_walk: bool = True, sized_block: bool = False,
+                 pace: MachinePace | None = None):
+        """``pace``: the nospec and decode models learn in its units (pace.py)."""
+        self.k, self.pace = block_len, pace or MachinePace(tuning)
         self._overhead_ema = tuning.overhead_ema
         self._min_spread = tuning.min_token_spread
 
@@ -47,7 +51,7 @@ class StepCosts:
             return OnlineCostModel(f"{fingerprint}-{kind}" if fingerprint else "", cache_dir, tuning.cost)
 
         self.verify, self.plain, self.draft, self.walk, self.nospec, self.decode = (
-            model(k) for k in ("spec", "plain", "draft", "walk", "nospec", "decode"))
+            model(k) for k in ("spec", "plain", "draft", "walk", "nospec-paced", "decode-paced"))
         self._price_walk = price_walk  # the adaptive_depth knob
         self._sized_block = sized_block  # the depth_sized_block knob: a block as deep as its walk
         self._overhead: float | None = None  # verify step minus plain step, same R and B
@@ -147,6 +151,7 @@ class StepCosts:
 
     def observe_plain(self, reqs: int, tokens: int, seconds: float) -> None:
         """A step run without speculation (or the mean of a coasting run's: coasting.py)."""
+        seconds /= self.pace.factor
         self.nospec.observe(reqs, tokens, seconds)
         if tokens == reqs:
             self.decode.observe(reqs, reqs, seconds)

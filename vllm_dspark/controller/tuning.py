@@ -84,6 +84,9 @@ class ControllerTuning:
     budget_unpriced_steps: int = 16  # speculating steps in a row at an unmeasured batch size that end an episode
     budget_price_age_steps: int = 2048  # speculating steps a no-spec price holds: longer risks drift, shorter costs context
     trial_steps: int = 32  # drafting steps an exploring episode takes whatever the models say: what it learns from
+    # Machine pace (pace.py)
+    pace_every_steps: int = 8  # steps between canaries (~60 us each): more follows drift sooner, costs more
+    pace_window: int = 9  # canaries in the median: more is steadier, slower to follow a spell
     cost: CostModelTuning = field(default_factory=CostModelTuning)
     calibration: CalibrationTuning = field(default_factory=CalibrationTuning)
     survival: SurvivalTuning = field(default_factory=SurvivalTuning)

@@ -1,0 +1,61 @@
+"""MachinePace: how fast the machine runs now, against when it was first timed.
+
+Machines of this kind drift: on one 2-core AMD host the median of 32 plain
+decode steps ranged 2.1-5.0 ms within one run (log sd 0.21), in spells of
+seconds to minutes. The exploration budget prices a speculating step against
+plain steps measured earlier (an awake engine runs none), so a price taken in
+a slow spell made a neutral episode look 50% ahead. A fixed canary (two
+128x128 matmuls, ~30 us each, every ``pace_every_steps`` steps) drifts with
+the steps (correlation 0.85 over 32-step windows there); the no-spec models
+learn steps in seconds at the pace of the first canary (seconds / ``factor``), and the budget prices in seconds at today's
+``factor``, so the drift between the two cancels.
+
+Without a canary (the simulator, a GPU, where the host's pace is not the
+step's) ``factor`` stays 1. Under tensor parallelism every rank takes rank 0's
+canary time (``share``), so every rank prices alike.
+"""
+
+import time
+from collections import deque
+from collections.abc import Callable
+from statistics import median
+
+import torch
+
+from vllm_dspark.controller.tuning import ControllerTuning
+
+
+class MachinePace:
+    def __init__(self, tuning: ControllerTuning, canary: bool = False,
+                 share: Callable[[list[float]], list[float]] | None = None,
+                 now: Callable[[], float] = time.perf_counter, work: Callable[[], None] | None = None):
+        """``canary``: time one (else ``factor`` stays 1); ``work``: the canary's work (tests)."""
+        self._every = tuning.pace_every_steps
+        self._times: deque[float] = deque(maxlen=tuning.pace_window)
+        self._share, self._now = share, now
+        self._work = (work or self._matmuls) if canary else None
+        self._a = torch.full((128, 128), 0.5) if canary and work is None else None
+        self._last: int | None = None  # the step count at the last canary
+        self._unit: float | None = None  # the first canary's time
+        self.factor = 1.0
+
+    def _matmuls(self) -> None:
+        torch.mm(torch.mm(self._a, self._a), self._a)
+
+    def tick(self, steps: int) -> float:
+        """Time the canary if ``steps`` (a count every rank holds alike) says it
+        is due; returns the seconds it took (0: not due), for the clock to leave
+        out of the step's."""
+        if self._work is None or (self._last is not None and steps - self._last < self._every):
+            return 0.0
+        if self._last is None:
+            self._work()  # the first call sets up the kernels: not the machine's pace
+        self._last = steps
+        t0 = self._now()
+        self._work()
+        spent = self._now() - t0
+        self._times.append(spent if self._share is None else self._share([spent])[0])
+        level = median(self._times)
+        self._unit = self._unit or level
+        self.factor = level / self._unit
+        return spent
