@@ -51,7 +51,7 @@ class DSparkController:
                  share: Callable[[list[float]], list[float]] | None = None, canary: bool = False):
         """``plain_steps``: vLLM's plain step can run; ``now``: the clock; ``share``: rank_sync.py; ``canary``: pace.py."""
         self.knobs, self.k, self.tuning = knobs, block_len, tuning
-        self.policy, self.pace = make_policy(knobs, tuning), MachinePace(tuning, canary, share)
+        self.policy, self.pace = make_policy(knobs, tuning), MachinePace(tuning, canary, share, now)
         self.costs = StepCosts(block_len, tuning, fingerprint, cache_dir if knobs.persist_cost_model else None,
                                price_walk=knobs.adaptive_depth, sized_block=knobs.depth_sized_block, pace=self.pace)
         if knobs.cost_curve:
