@@ -58,7 +58,10 @@ def test_a_step_the_nospec_model_cannot_price_is_charged_its_drafter_time():
     has seen (here 400, where it saw only single decodes) has no baseline for
     the target's part; its drafter time (drafting path and context writes),
     less what its accepted drafts saved, is charged, and never counted as a
-    gain. A decode step at a larger unseen batch size stays unpriced."""
+    gain. So is one that verified no drafts, at any batch size: its target ran
+    a plain step's tokens. A step verifying drafts at a larger unseen batch
+    size is charged from above: a step without speculation there costs no
+    less than one at fewer requests."""
     nospec = OnlineCostModel(tuning=TUNING.cost)
     b = ExplorationBudget(nospec, TUNING)
     for _ in range(2 * TUNING.budget_warmup_steps):
@@ -71,9 +74,14 @@ def test_a_step_the_nospec_model_cannot_price_is_charged_its_drafter_time():
     # A mixed step whose accepted drafts saved more than its drafter took: no gain.
     b.settle(StepSample(1, 404, True, 0.030, 0.001, 1, plain=False, draft_tokens=3, accepted=3))
     assert b.excess == pytest.approx(0.010)
-    # A decode step at a larger unseen batch size stays unpriced.
-    b.settle(StepSample(64, 64, False, 0.030, 0.010, 64, plain=False))
-    assert b.excess == pytest.approx(0.010)
+    # A decode step verifying drafts at a larger unseen batch size: against a 1-request step, and
+    # one saved step there (64 accepted over 64 requests)...
+    unpriced = b._unpriced
+    b.settle(StepSample(64, 256, True, 0.030, 0.010, 64, plain=False, draft_tokens=192, accepted=64))
+    assert b.excess == pytest.approx(0.010 + 0.030 - 2 * STEP, rel=1e-3)
+    # ...one that verified none is charged its drafter time; neither counts toward ending the episode.
+    b.settle(StepSample(64, 64, False, 0.030, 0.004, 0, plain=False))
+    assert b.excess == pytest.approx(0.034, rel=1e-3) and b._unpriced == unpriced
 
 
 def test_a_decode_step_at_fewer_requests_than_the_last_priced_is_charged_against_that_price():
@@ -172,8 +180,11 @@ def test_an_episode_ends_when_its_balance_is_spent_or_its_batch_is_unmeasured():
         u.settle(_plain())
     assert u.ready and not u.spent(0.0)
     for _ in range(TUNING.budget_unpriced_steps):
-        u.settle(StepSample(64, 64, False, 0.05, 0.0, 0))
-    assert u.spent(0.0)
+        u.settle(StepSample(64, 64, False, 0.05, 0.001, 0))  # verifying nothing: charged, not unpriced
+    assert not u.spent(0.0)
+    for _ in range(TUNING.budget_unpriced_steps):  # verifying drafts with prompt tokens it has not seen
+        u.settle(StepSample(1, 403, True, 0.03, 0.001, 1, draft_tokens=3, accepted=3))
+    assert u.spent(0.0) and u.balance > 0
 
 
 def test_no_episode_starts_at_a_batch_size_the_nospec_model_has_not_measured():
@@ -402,6 +413,35 @@ def test_a_gain_holds_at_the_batch_size_it_was_measured_at_only():
     assert not b.gained(1)
 
 
+def test_the_models_rule_waits_while_the_batch_visited_a_size_where_the_episode_gains():
+    """Light arrivals: an episode gains at one request, then a burst takes
+    the batch to four, where the models say drafting loses. Their rule does
+    not end the episode while the batch was at one within its window (a
+    request admitted while dormant never drafts); once the window holds only
+    four-request steps, it does."""
+    from vllm_dspark.controller.dormancy import Dormancy
+
+    after, n = 32, TUNING.trial_steps
+    b = _budget()
+    b.settle(_plain())
+    b.settle(_plain(4))
+    d = Dormancy(TUNING, after, b)
+    d.heed(True, 0.0, 1)
+    for _ in range(n):
+        d.remember(False)
+    gaining = StepSample(1, 3, True, 1.2 * STEP, 0.2 * STEP, 1, plain=False, draft_tokens=2, accepted=2)
+    for _ in range(n):
+        b.settle(gaining)
+    d.update(1.0, 1.0, 0.0, settled=True, rows=1)
+    for _ in range(after):
+        d.remember(True)
+    for _ in range(after - 1):  # the burst: skipped steps at four requests, a settled verdict that drafting loses
+        d.update(-1.0, 1.0, 0.0, settled=True, rows=4)
+        assert not d.dormant
+    d.update(-1.0, 1.0, 0.0, settled=True, rows=4)
+    assert d.dormant
+
+
 def test_a_full_balance_stays_full_while_the_step_price_moves():
     """The cap is in plain steps at the current price; a balance clamped to
     it stays full though the price then moves up, until something is spent."""
@@ -413,6 +453,24 @@ def test_a_full_balance_stays_full_while_the_step_price_moves():
     assert b.full
     b.settle(StepSample(1, 3, True, 3.0 * STEP, STEP, 1, plain=False, draft_tokens=2, accepted=0))
     assert not b.full
+
+
+def test_a_step_at_fewer_requests_does_not_cut_the_balance_to_its_lower_cap():
+    """Light arrivals swing the batch between four requests and one. The cap
+    follows the decoded step's price (here 5 ms + 5 ms a request), so it is
+    lower at one request; a balance filled at four keeps what it holds, and a
+    losing step there takes only its own excess."""
+    nospec = OnlineCostModel(tuning=TUNING.cost)
+    nospec.pin(CostParams(STEP, STEP, 0.0), "test")
+    b = ExplorationBudget(nospec, TUNING)
+    while not b.full:
+        b.settle(StepSample(4, 4, False, 5 * STEP, 0.0, 0, plain=True))
+    held = b.balance
+    assert held == pytest.approx(TUNING.budget_cap_steps * 5 * STEP)
+    b.settle(StepSample(1, 1, False, 2 * STEP, 0.0, 0, plain=True))
+    assert b.balance == held and b.full
+    b.settle(StepSample(1, 3, True, 3 * STEP, STEP, 1, plain=False, draft_tokens=2, accepted=0))
+    assert b.balance == pytest.approx(held - STEP + TUNING.budget_share * 2 * STEP)
 
 
 def test_a_gaining_episode_keeps_its_explore_steps():

@@ -54,6 +54,25 @@ def test_no_windup_when_the_load_never_changes():
     assert m.mean_abs_pct_error < 10
 
 
+def test_covers_a_batch_size_class_seen_lately_outside_the_window_of_the_mean():
+    """Light arrivals: plain steps at 4 requests for a while, then a few at 1.
+    The window around the decayed mean (about 3.9, two standard deviations
+    about 1.2) holds neither 1 nor 2; 1 was seen lately, in its own power-of-two
+    class, so its cost is no extrapolation; 2 (the class of 2-3) was never seen,
+    and what was seen fades away."""
+    m = OnlineCostModel()
+    for _ in range(200):
+        m.observe(4, 4, 6e-3)
+    assert not m.covers(1) and not m.covers(1, 1) and not m.covers(2, 2)
+    for _ in range(3):
+        m.observe(1, 1, 5e-3)
+    assert m.covers(1) and m.covers(1, 1) and m.covers(4, 4)
+    assert not m.covers(2, 2) and not m.covers(1, 40)  # another class of tokens
+    for _ in range(300):  # steps at 16 requests: what was seen at 1 fades
+        m.observe(16, 16, 9e-3)
+    assert not m.covers(1, 1)
+
+
 def test_ignores_stalls():
     gen = torch.Generator().manual_seed(2)
     m = OnlineCostModel()

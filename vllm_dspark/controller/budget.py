@@ -12,8 +12,12 @@ request's, not the mean per request). The difference is the step's excess
 (negative where speculation won). A step with prompt tokens the nospec
 model cannot price (see below) is charged from below: its drafter time less
 what its accepted drafts saved, never less than nothing (the prompt context
-of a wave of new requests is written there); so is a decode step at fewer
-requests than the last priced one (a wave's tail), against that step's price.
+of a wave of new requests is written there); so is a step that verified no
+drafts (its target ran a plain step's tokens: skipping steps at a batch
+size between arrivals must not end an episode that gains), and a decode step
+at fewer requests than the last priced one (a wave's tail), against that
+step's price. A verifying decode step at more requests than the last priced
+one is charged from above, against that price (a burst of arrivals).
 
 Once ``budget_warmup_steps`` plain steps were seen, the first decode step
 priced at each batch size (a power of two) lifts the balance to one episode's
@@ -37,9 +41,9 @@ step verifies at most as many drafts as that room is worth in decoded tokens
 (a verified token costs no more than a decoded one). So over any stretch the
 engine gives up about ``share`` of its time, plus a reserve and a credit per
 batch size and one step's drafting, plus the nospec model's error, whatever
-the other models believe. A speculating step at a batch size
-or token count the nospec model has not seen lately is not priced; enough of
-them in a row end the episode, so plain steps measure it; none starts at a
+the other models believe. A step verifying drafts with prompt tokens the
+nospec model has not seen lately, or at fewer requests, is not priced
+(its bound is from below); enough of them in a row end the episode, so plain steps measure it; none starts at a
 batch size the nospec model has not measured. Lately: within
 ``budget_price_age_steps`` speculating steps of a plain step (the machine
 drifts), so a long episode ends once its price is that old, and plain steps
@@ -125,15 +129,24 @@ class ExplorationBudget:
         prompts = s.tokens - s.draft_tokens > s.reqs
         saved = (s.accepted / s.reqs if s.saved is None else s.saved) * self._step
         if not (self._token and decodes and (not prompts or self._fresh(nospec, s.reqs, s.tokens - s.draft_tokens))):
-            self._unpriced += 1
-            if self._token and (prompts or s.reqs < self._step_reqs):
+            verified = s.draft_tokens > 0
+            if self._token and verified and not prompts and s.reqs > self._step_reqs:
+                # A verifying decode step at a larger batch than the last priced: a step without
+                # speculation there costs no less than one at fewer requests, so that price (and the
+                # steps its drafts saved at it) charges it from above: a gain only where surely gained.
+                self._charge(self._step + saved, s.seconds + s.extra_seconds - self._step - saved, s.reqs, False)
+                return
+            self._unpriced += verified  # what the target spent on drafts is unknown: a loss may hide there
+            if self._token and (prompts or s.reqs < self._step_reqs or not verified):
                 # No baseline at this step's batch, but a bound: a prompt-heavy step's drafter time
-                # (writing the prompts' context) is speculation's, and a decode step at fewer requests
-                # than the last priced costs no more than one there. Less what its accepted drafts saved,
-                # charged from below, never as a gain. Decode steps at a larger unseen batch stay unpriced
-                # (their first drafter calls carry one-time costs; plain steps measure).
-                bound = s.draft_seconds if prompts else s.seconds - self._step
-                excess = max(0.0, bound + s.extra_seconds - saved)
+                # (writing the prompts' context) is speculation's, as is a step's that verified nothing
+                # (its target ran a plain step's tokens), and a decode step at fewer requests than the
+                # last priced costs no more than one there. Less what its accepted drafts saved, charged
+                # from below, never as a gain.
+                bounds = [s.draft_seconds] if prompts or not verified else []
+                if not prompts and s.reqs < self._step_reqs:
+                    bounds.append(s.seconds - self._step)
+                excess = max(0.0, max(bounds) + s.extra_seconds - saved)
                 self._charge(max(s.seconds + s.extra_seconds - excess, 0.0), excess, s.reqs, priced=False)
             return
         self._unpriced = 0
@@ -166,13 +179,18 @@ class ExplorationBudget:
 
     def _pay_in(self, baseline: float, amount: float) -> None:
         """A priced step: no speculation would have taken ``baseline``; the
-        balance moves by ``amount``, up to the cap."""
+        balance moves by ``amount``, gains up to the cap. A cap that fell with
+        the step's price (a step at fewer requests) does not cut what the
+        balance holds: under light arrivals the batch swings between one and
+        four requests, and each swing down took up to half the balance,
+        booked as the open episode's loss."""
         self.nospec_seconds += baseline
         cap = self._cap * self._step
         if amount < 0:
             self._at_cap = False
-        if self.balance + amount >= cap:
-            self.balance, self._at_cap = cap, True
+            self.balance += amount
+        elif self.balance + amount >= cap:
+            self.balance, self._at_cap = max(self.balance, cap), True
         else:
             self.balance += amount
 

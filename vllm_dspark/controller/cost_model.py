@@ -53,6 +53,7 @@ class OnlineCostModel:
         self._prior = [p * s for p, s in zip(tuning.prior, self._scale)]  # in scaled units
         self.xtx = [[0.0] * 3 for _ in range(3)]  # decayed sum of x x^T
         self.xty = [0.0] * 3  # decayed sum of x y
+        self._seen: dict[tuple[int, int], float] = {}  # (requests, tokens) power-of-two class -> decayed steps
         self.theta = list(self._prior)
         self._params = self._to_params()
         self.observations = 0
@@ -95,6 +96,13 @@ class OnlineCostModel:
         scale = self._scale
         x = (1.0 / scale[0], num_reqs / scale[1], num_tokens / scale[2])
         lam, self.idle = tuning.forgetting ** (1 + self.idle), 0
+        seen = self._seen
+        for key in list(seen):
+            seen[key] *= lam
+            if seen[key] < 1e-3:
+                del seen[key]
+        key = (num_reqs.bit_length(), num_tokens.bit_length())
+        seen[key] = seen.get(key, 0.0) + 1.0
         for row, xi in zip(self.xtx, x):  # in place: three of these run every step
             row[0] = lam * row[0] + xi * x[0]
             row[1] = lam * row[1] + xi * x[1]
@@ -143,15 +151,24 @@ class OnlineCostModel:
 
     def covers(self, num_reqs: int, num_tokens: int | None = None) -> bool:
         """Has the model seen steps of about ``num_reqs`` requests (and
-        ``num_tokens`` tokens) lately (within two decayed standard deviations
-        of their mean, or 25% of it)? Outside that its cost is an
-        extrapolation, which a model fitted at one batch size cannot make (it
-        splits a single step time between t0 and t_req arbitrarily)."""
+        ``num_tokens`` tokens) lately: within two decayed standard deviations
+        of their mean (or 25% of it), or in the same power-of-two class, a
+        decayed step's worth? Outside that its cost is an extrapolation, which
+        a model fitted at one batch size cannot make (it splits a single step
+        time between t0 and t_req arbitrarily). The classes matter where the
+        batch size keeps changing (light arrivals: 1-4 requests): plain steps
+        at one and at four requests left a window around their mean that held
+        neither, and episodes that gained ended unpriced."""
         if self.pinned:
             return True
         n = self.xtx[0][0]
         if n < 1.0:
             return False
+        cls = num_reqs.bit_length()
+        seen = (sum(w for (r, _), w in self._seen.items() if r == cls) if num_tokens is None
+                else self._seen.get((cls, num_tokens.bit_length()), 0.0))
+        if seen >= 1.0:
+            return True
         return self._near(1, num_reqs, n) and (num_tokens is None or self._near(2, num_tokens, n))
 
     def _near(self, i: int, value: float, n: float) -> bool:
