@@ -413,35 +413,6 @@ def test_a_gain_holds_at_the_batch_size_it_was_measured_at_only():
     assert not b.gained(1)
 
 
-def test_the_models_rule_waits_while_the_batch_visited_a_size_where_the_episode_gains():
-    """Light arrivals: an episode gains at one request, then a burst takes
-    the batch to four, where the models say drafting loses. Their rule does
-    not end the episode while the batch was at one within its window (a
-    request admitted while dormant never drafts); once the window holds only
-    four-request steps, it does."""
-    from vllm_dspark.controller.dormancy import Dormancy
-
-    after, n = 32, TUNING.trial_steps
-    b = _budget()
-    b.settle(_plain())
-    b.settle(_plain(4))
-    d = Dormancy(TUNING, after, b)
-    d.heed(True, 0.0, 1)
-    for _ in range(n):
-        d.remember(False)
-    gaining = StepSample(1, 3, True, 1.2 * STEP, 0.2 * STEP, 1, plain=False, draft_tokens=2, accepted=2)
-    for _ in range(n):
-        b.settle(gaining)
-    d.update(1.0, 1.0, 0.0, settled=True, rows=1)
-    for _ in range(after):
-        d.remember(True)
-    for _ in range(after - 1):  # the burst: skipped steps at four requests, a settled verdict that drafting loses
-        d.update(-1.0, 1.0, 0.0, settled=True, rows=4)
-        assert not d.dormant
-    d.update(-1.0, 1.0, 0.0, settled=True, rows=4)
-    assert d.dormant
-
-
 def test_a_full_balance_stays_full_while_the_step_price_moves():
     """The cap is in plain steps at the current price; a balance clamped to
     it stays full though the price then moves up, until something is spent."""

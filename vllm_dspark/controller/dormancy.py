@@ -25,12 +25,7 @@ skipped paid the skipped steps' overhead and was booked as drafting's loss. Any
 episode stays on trial while the budget measures it gaining on no
 speculation (budget.py): where the models and the measurement disagree, the
 measurement decides (docs/controller.md), with the gate's explore steps still
-keeping the plain step measured. The models' rule waits, too, while the
-batch visited a size where the episode gains within its last
-``dormant_after_steps`` steps: under light arrivals the batch swings between
-one and four requests, and sleeping through a burst the models call a loss
-left every request admitted meanwhile without drafter context for its whole
-life (the budget still ends an episode that loses).
+keeping the plain step measured.
 """
 
 from collections import deque
@@ -53,7 +48,6 @@ class Dormancy:
         # Whether the drafter was skipped, for the last after_steps steps, and how many skipped.
         self._recent: deque[bool] = deque(maxlen=max(1, after_steps))
         self._recent_skipped = 0
-        self._rows: deque[int] = deque(maxlen=max(1, after_steps))  # batch sizes the rule last ran at
         self.dormant = self.guarded  # until the budget can price speculation
         self._cheap = 0  # steps skipped without the rule since it last ran
         self._paying = 0  # checks in a row where drafting would pay
@@ -79,10 +73,9 @@ class Dormancy:
         """The rule ran at ``rows`` requests: drafting would save ``net``
         seconds for ``spend`` (``settled``: by models that have seen enough
         drafting to say so)."""
-        self._rows.append(rows)
         if self.dormant:
             self._paying = self._paying + 1 if net > model_error * spend else 0
-        elif not any(self.on_trial(r) for r in set(self._rows)):
+        elif not self.on_trial(rows):
             recent = self._recent
             if (self.enabled and settled and len(recent) == recent.maxlen and net <= 0
                     and self._recent_skipped >= self._share * recent.maxlen):
