@@ -42,9 +42,10 @@ step verifies at most as many drafts as that room is worth in decoded tokens
 engine gives up about ``share`` of its time, plus a reserve and a credit per
 batch size and one step's drafting, plus the nospec model's error, whatever
 the other models believe. A step verifying drafts with prompt tokens the
-nospec model has not seen lately, or at fewer requests, is not priced
-(its bound is from below); enough of them in a row end the episode, so plain steps measure it; none starts at a
-batch size the nospec model has not measured. Lately: within
+nospec model has not seen lately, or at fewer requests, is not priced (its
+bound is from below); enough of them in a row end the episode, so plain
+steps measure it; none starts at a batch size the nospec model has not
+measured. Lately: within
 ``budget_price_age_steps`` speculating steps of a plain step (the machine
 drifts), so a long episode ends once its price is that old, and plain steps
 measure it anew; what the models saw before fades meanwhile (cost_model.py,
