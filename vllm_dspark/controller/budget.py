@@ -60,12 +60,13 @@ size where an episode ended gaining is remembered, so that the next episode
 there is due whenever the engine is dormant at it, whatever the models say
 (at one request their verdict was wrong both ways; without this memory an
 engine that slept at 16 requests stayed plain at one, where it had gained
-13-20%, for the rest of the run). Such an episode is measured afresh, and
-what the last one gained (up to the cap) funds it: an engine that gained at
-one request, then lost a reserve on one request the drafter could not follow,
-stayed plain for 20 requests while it earned that loss back at the share.
-Episodes too short to measure draw their losses on that gain, so it funds
-at most a cap's worth of them.
+13-20%, for the rest of the run). What the episodes there gained, net of
+what later ones lost (up to the cap), funds the next one, and is forgotten
+once spent: an engine that gained at one request, then lost a reserve on one
+request the drafter could not follow, stayed plain for 20 requests while it
+earned that loss back at the share; when each measured episode's own result
+replaced the last, one that gained 1.9 s and then one that lost 0.13 s on
+a hard request left the engine plain for the next 2,000 steps.
 """
 
 import math
@@ -209,21 +210,18 @@ class ExplorationBudget:
         return self._episode is not None
 
     def close(self) -> None:
-        """The episode ended. Each batch size it measured over
-        ``trial_steps`` priced steps is remembered as gaining (with what it
-        gained, up to the cap) or not; a shorter stretch there draws its loss
-        on that gain. One that lost, or could not be priced, where nothing is
-        gained marks its batch size: the next episode there waits until the
-        loss is earned back, twice that after two in a row, and so on. One
-        that gained and then went unpriced (its price grew old) is due again once
-        plain steps have measured it afresh."""
+        """The episode ended. At each batch size where it was measured over
+        ``trial_steps`` priced steps, or where earlier episodes gained, its
+        result adds to what they gained (up to the cap); a batch size with a
+        gain left is remembered as gaining. One that lost, or could not be
+        priced, where nothing is gained marks its batch size: the next
+        episode there waits until the loss is earned back, twice that after
+        two in a row, and so on. One that gained and then went unpriced (its
+        price grew old) is due again once plain steps have measured it afresh."""
         for rows_class, (excess, steps) in self._gain.items():
-            if steps >= self._min_gain_steps:
-                fund = -excess  # measured: the episode's own result decides
-            elif rows_class in self._won:
-                fund = self._won[rows_class] - excess  # too short to measure: it draws on the last gain
-            else:
-                continue
+            if steps < self._min_gain_steps and rows_class not in self._won:
+                continue  # too short to measure, and no gain to draw on
+            fund = self._won.get(rows_class, 0.0) - excess
             if fund > 0:
                 self._won[rows_class] = min(fund, self._cap * self._step)
             else:
