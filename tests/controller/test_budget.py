@@ -565,6 +565,41 @@ def test_an_episode_that_gained_is_due_again_at_once_though_a_losing_stretch_end
     assert waited > 0
 
 
+def test_an_episode_spent_where_the_next_is_due_goes_on_without_a_dormant_step():
+    """An episode that gained, then lost a reserve in a row, ends where the
+    next is due at once (the gain funds it): that one opens in the same rule
+    check, so no step runs dormant between them (a dormant step runs plain,
+    and its requests lose their drafter context for good). Each such
+    episode draws its loss on the gain; once what is left no longer funds
+    the next, the engine sleeps, having lost no more than the capped gain
+    and a reserve per episode."""
+    from vllm_dspark.controller.dormancy import Dormancy
+
+    b = _budget()
+    b.settle(_plain())
+    d = Dormancy(TUNING, 32, b)
+    d.heed(True, 0.0, 1)  # a fresh engine's exploring episode
+    gaining = StepSample(1, 8, True, 0.006, 0.001, 1, plain=False, draft_tokens=7, accepted=7)
+    for _ in range(4 * TUNING.trial_steps):
+        b.settle(gaining)
+        d.remember(False)
+        d.heed(False, 0.0, 1)
+    assert not d.dormant and b.gaining(1)
+    losing = StepSample(1, 8, True, 0.020, 0.005, 1, plain=False, draft_tokens=7, accepted=0)
+    before, episodes = b.excess, 0
+    for _ in range(10_000):
+        b.settle(losing)
+        spent = b.spent(0.0)
+        d.heed(False, 0.0, 1)
+        if d.dormant:
+            break
+        episodes += spent
+        assert b.episode_open
+    assert d.dormant and episodes >= 1
+    reserve = TUNING.episode_tokens * STEP
+    assert b.excess - before <= TUNING.budget_cap_steps * STEP + (episodes + 1) * (reserve + losing.seconds)
+
+
 def test_a_no_spec_price_fades_while_speculating_and_plain_steps_measure_it_anew():
     """The no-spec price of a 4-request step was measured in a slow spell
     (9.5 ms; the machine then ran it in 5 ms). Speculating steps of 11 ms

@@ -98,24 +98,27 @@ class Dormancy:
         (``curious``), where the last episode lost and its loss is earned
         back, where the last one measured gained, or where the balance is
         full (re-testing a verdict that may be stale); it ends as soon as the budget is spent (``building``: the
-        share of the batch without drafter context)."""
+        share of the batch without drafter context). One that ends where the next is due at once (what episodes
+        there gained still funds it) goes on as that one, with no step between: a dormant step would run plain,
+        and every request in it would lose its drafter context for good (at one request, the rest of it)."""
         budget = self.budget
         if budget is None:
             if self.dormant and self.pays:
                 self.wake()
-        elif self.dormant:
-            if budget.episode_open:  # ended since (by the models' rule)
-                budget.close()
-            pays = self.pays
-            due = budget.full or budget.retest_due(rows) or budget.gained(rows)
-            if budget.affords_episode(pays, rows) and (pays or curious or due):
-                sure = pays and not curious
-                budget.open(sure, rows)
-                self.wake()
-                self._trial = 0 if sure else self._trial_steps
-        elif budget.spent(building):
-            budget.close()
+            return
+        if not self.dormant:
+            if not budget.spent(building):
+                return
             self.sleep()
+        if budget.episode_open:  # ended now, or since (by the models' rule)
+            budget.close()
+        pays = self.pays
+        due = budget.full or budget.retest_due(rows) or budget.gained(rows)
+        if budget.affords_episode(pays, rows) and (pays or curious or due):
+            sure = pays and not curious
+            budget.open(sure, rows)
+            self.wake()
+            self._trial = 0 if sure else self._trial_steps
 
     def wake(self) -> None:
         self.dormant, self._paying = False, 0
