@@ -106,7 +106,8 @@ class Dormancy:
             if self.dormant and self.pays:
                 self.wake()
             return
-        if not self.dormant:
+        goes_on = not self.dormant
+        if goes_on:
             if not budget.spent(building):
                 return
             self.sleep()
@@ -118,7 +119,8 @@ class Dormancy:
             sure = pays and not curious
             budget.open(sure, rows)
             self.wake()
-            self._trial = 0 if sure else self._trial_steps
+            # Going on, the models decide: a trial would draft on through the stretch that just lost.
+            self._trial = 0 if sure or goes_on else self._trial_steps
 
     def wake(self) -> None:
         self.dormant, self._paying = False, 0
