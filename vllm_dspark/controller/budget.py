@@ -62,11 +62,9 @@ there is due whenever the engine is dormant at it, whatever the models say
 engine that slept at 16 requests stayed plain at one, where it had gained
 13-20%, for the rest of the run). What the episodes there gained, net of
 what later ones lost (up to the cap), funds the next one, and is forgotten
-once spent: an engine that gained at one request, then lost a reserve on one
-request the drafter could not follow, stayed plain for 20 requests while it
-earned that loss back at the share; when each measured episode's own result
-replaced the last, one that gained 1.9 s and then one that lost 0.13 s on
-a hard request left the engine plain for the next 2,000 steps.
+once spent: otherwise one request the drafter cannot follow, after many it
+can, leaves an engine plain at one request while it earns that loss back at
+the share (docs/controller.md).
 """
 
 import math
