@@ -4,7 +4,8 @@ Dormant once drafting was skipped on at least ``dormant_skip_share`` of the
 last ``dormant_after_steps`` steps (a lone probe must not hold it off) and
 would not pay now with every request drafted, by models that have seen
 enough drafting to say so, at any batch size; or when the
-exploration budget is spent (budget.py); and from the first step, until the
+exploration budget is spent (budget.py) and no next episode is due at once
+(``heed``); and from the first step, until the
 budget can price speculation against steps without it (not with a pinned
 cost curve: the budget then stays out). While dormant, new
 requests get no drafter context (the context ledger), and where the runner
