@@ -63,7 +63,7 @@ def test_a_step_the_nospec_model_cannot_price_is_charged_its_drafter_time():
     gain. So is one that verified no drafts, at any batch size: its target ran
     a plain step's tokens. A step verifying drafts at a larger unseen batch
     size is charged from above: a step without speculation there costs no
-    less than one at fewer requests."""
+    less than one at fewer requests, and never as a gain."""
     nospec = OnlineCostModel(tuning=TUNING.cost)
     b = ExplorationBudget(nospec, TUNING)
     for _ in range(2 * TUNING.budget_warmup_steps):
@@ -81,6 +81,11 @@ def test_a_step_the_nospec_model_cannot_price_is_charged_its_drafter_time():
     unpriced = b._unpriced
     b.settle(StepSample(64, 256, True, 0.030, 0.010, 64, plain=False, draft_tokens=192, accepted=64))
     assert b.excess == pytest.approx(0.010 + 0.030 - 2 * STEP, rel=1e-3)
+    # ...never as a gain (that price is older than the step): one that took less than it books nothing...
+    balance = b.balance
+    b.settle(StepSample(64, 256, True, 0.008, 0.002, 64, plain=False, draft_tokens=192, accepted=64))
+    assert b.excess == pytest.approx(0.010 + 0.030 - 2 * STEP, rel=1e-3)
+    assert b.balance == pytest.approx(balance + TUNING.budget_share * 0.008)
     # ...one that verified none is charged its drafter time; neither counts toward ending the episode.
     b.settle(StepSample(64, 64, False, 0.030, 0.004, 0, plain=False))
     assert b.excess == pytest.approx(0.034, rel=1e-3) and b._unpriced == unpriced

@@ -17,7 +17,8 @@ drafts (its target ran a plain step's tokens: skipping steps at a batch
 size between arrivals must not end an episode that gains), and a decode step
 at fewer requests than the last priced one (a wave's tail), against that
 step's price. A verifying decode step at more requests than the last priced
-one is charged from above, against that price (a burst of arrivals).
+one is charged from above, against that price (a burst of arrivals), and
+never as a gain either.
 
 Once ``budget_warmup_steps`` plain steps were seen, the first decode step
 priced at each batch size (a power of two) lifts the balance to one episode's
@@ -133,8 +134,10 @@ class ExplorationBudget:
             if self._token and verified and not prompts and s.reqs > self._step_reqs:
                 # A verifying decode step at a larger batch than the last priced: a step without
                 # speculation there costs no less than one at fewer requests, so that price (and the
-                # steps its drafts saved at it) charges it from above: a gain only where surely gained.
-                self._charge(self._step + saved, s.seconds + s.extra_seconds - self._step - saved, s.reqs, False)
+                # steps its drafts saved at it) charges it from above, never as a gain: the price is
+                # older than the step, and noisy (docs/controller.md).
+                excess = max(0.0, s.seconds + s.extra_seconds - self._step - saved)
+                self._charge(s.seconds + s.extra_seconds - excess, excess, s.reqs, False)
                 return
             self._unpriced += verified  # what the target spent on drafts is unknown: a loss may hide there
             if self._token and (prompts or s.reqs < self._step_reqs or not verified):
