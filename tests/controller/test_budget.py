@@ -570,6 +570,29 @@ def test_an_episode_that_gained_is_due_again_at_once_though_a_losing_stretch_end
     assert waited > 0
 
 
+def test_a_gain_at_one_batch_size_funds_no_loss_at_another():
+    """An episode gains at one request until the balance is full, then the
+    load moves to four requests, where it loses 7 ms a step: it ends once it
+    has lost a reserve there (32 decoded tokens at four requests: 8 steps'
+    worth), not once its whole balance is spent (before: about 200 ms more,
+    some 30 further losing steps; an engine drafted about 500 steps at c=4
+    at 0.8x no-spec so)."""
+    b = _budget()
+    b.settle(_plain())
+    b.open(False, 1)
+    for _ in range(200):
+        b.settle(StepSample(1, 8, True, 0.006, 0.001, 1, plain=False, draft_tokens=7, accepted=7))
+    assert b.balance == pytest.approx(TUNING.budget_cap_steps * STEP) and not b.spent(0.0, 1)
+    losing = StepSample(4, 32, True, STEP + 0.007, 0.004, 4, plain=False, draft_tokens=28, accepted=0)
+    steps = 0
+    while not b.spent(0.0, 4):
+        b.settle(losing)
+        steps += 1
+    assert steps == math.floor(TUNING.episode_tokens * STEP / 4 / 0.007) + 1
+    assert not b.spent(0.0)  # the balance alone would have gone on
+    assert not b.spent(0.0, 1)  # and at one request, where it gained, so would this episode
+
+
 def test_an_episode_spent_where_the_next_is_due_goes_on_without_a_dormant_step():
     """An episode that gained, then lost a reserve in a row, ends where the
     next is due at once (the gain funds it): that one opens in the same rule

@@ -35,7 +35,9 @@ that episode is due then, whatever the models say (their verdict rests on
 the lost episode's few blocks, and nothing updates it while dormant), and
 each further loss in a row there doubles what must be earned first, up to a
 full balance. It
-ends once it has lost a reserve, plus, while its requests' drafter context
+ends once it has lost a reserve (overall, or at the batch size of the step
+beyond what episodes there gained: a gain banked at one request must not
+fund a loss at four), plus, while its requests' drafter context
 builds up, a credit of what it opened with (the cap where the models were
 sure) scaled by the share of the batch still without context; meanwhile a
 step verifies at most as many drafts as that room is worth in decoded tokens
@@ -293,10 +295,16 @@ class ExplorationBudget:
         once all have it), beyond what it opened with."""
         return self.balance - self._opened + self._reserve * self._token + self._credit * building * self._step
 
-    def spent(self, building: float) -> bool:
-        """End the speculating episode? It has no room left, or too many
-        steps in a row could not be priced."""
-        return self._token > 0 and (self._room(building) < 0 or self._unpriced >= self._max_unpriced)
+    def spent(self, building: float, rows: int | None = None) -> bool:
+        """End the speculating episode? It has no room left, too many steps
+        in a row could not be priced, or at about ``rows`` requests it has
+        lost a reserve and its credit beyond what episodes there gained: a
+        gain banked at one batch size must not fund a loss at another."""
+        if self._token <= 0:
+            return False
+        here = self._gain.get(rows.bit_length(), (0.0, 0))[0] - self._won.get(rows.bit_length(), 0.0) if rows else 0.0
+        return (self._room(building) < 0 or self._unpriced >= self._max_unpriced
+                or here > self._reserve * self._token + self._credit * building * self._step)
 
     def draft_tokens(self, building: float) -> int | None:
         """The most drafts one step may verify: the episode's room in decoded

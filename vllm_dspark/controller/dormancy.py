@@ -109,7 +109,7 @@ class Dormancy:
             return
         goes_on = not self.dormant
         if goes_on:
-            if not budget.spent(building):
+            if not budget.spent(building, rows):
                 return
             self.sleep()
         if budget.episode_open:  # ended now, or since (by the models' rule)
