@@ -138,8 +138,9 @@ class ExplorationBudget:
                 # speculation there costs no less than one at fewer requests, so that price (and the
                 # steps its drafts saved at it) charges it from above, never as a gain: the price is
                 # older than the step, and noisy (docs/controller.md).
-                excess = max(0.0, s.seconds + s.extra_seconds - self._step - saved)
-                self._charge(s.seconds + s.extra_seconds - excess, excess, s.reqs, False)
+                took = s.seconds + s.extra_seconds
+                excess = max(0.0, took - self._step - saved)
+                self._charge(took - excess, excess, s.reqs, False)
                 return
             self._unpriced += verified  # what the target spent on drafts is unknown: a loss may hide there
             if self._token and (prompts or s.reqs < self._step_reqs or not verified):
@@ -293,7 +294,11 @@ class ExplorationBudget:
         """What the episode may still lose: a reserve, and its credit for
         ``building`` (the share of the batch without drafter context: none
         once all have it), beyond what it opened with."""
-        return self.balance - self._opened + self._reserve * self._token + self._credit * building * self._step
+        return self.balance - self._opened + self._allowance(building)
+
+    def _allowance(self, building: float) -> float:
+        """A reserve, and the credit for ``building`` (see _room)."""
+        return self._reserve * self._token + self._credit * building * self._step
 
     def spent(self, building: float, rows: int | None = None) -> bool:
         """End the speculating episode? It has no room left, too many steps
@@ -302,9 +307,10 @@ class ExplorationBudget:
         gain banked at one batch size must not fund a loss at another."""
         if self._token <= 0:
             return False
-        here = self._gain.get(rows.bit_length(), (0.0, 0))[0] - self._won.get(rows.bit_length(), 0.0) if rows else 0.0
+        rows_class = rows.bit_length() if rows else None
+        lost_here = self._gain.get(rows_class, (0.0, 0))[0] - self._won.get(rows_class, 0.0)
         return (self._room(building) < 0 or self._unpriced >= self._max_unpriced
-                or here > self._reserve * self._token + self._credit * building * self._step)
+                or lost_here > self._allowance(building))
 
     def draft_tokens(self, building: float) -> int | None:
         """The most drafts one step may verify: the episode's room in decoded
