@@ -10,7 +10,12 @@ the steps (correlation 0.85 over 32-step windows there). The no-spec models
 learn steps in seconds at the first canary's pace (seconds / ``factor``,
 ``factor`` the median of the last ``pace_window`` canaries over the first),
 and the budget prices in seconds at today's ``factor``, so the drift
-between the two cancels.
+between the two cancels. The engine's first canary only sets up the
+kernels: timed right after its set-up call, from a warm cache, it read
+100 us where every later one read 160-270 us (AMD EPYC, between steps), so
+the steps learned before the second canary, a wave's 4-request warm-up,
+were priced 1.3-1.8x their time for the rest of the run, and an engine
+speculated through c=4 at 0.84x no-spec, its budget measuring a gain.
 
 Without a canary (the simulator, a GPU, where the host's pace is not the
 step's) ``factor`` stays 1. Under tensor parallelism every rank takes rank 0's
@@ -50,12 +55,12 @@ class MachinePace:
         out of the step's."""
         if self._work is None or (self._last is not None and steps - self._last < self._every):
             return 0.0
-        if self._last is None:
-            self._work()  # the first call sets up the kernels: not the machine's pace
-        self._last = steps
+        first, self._last = self._last is None, steps
         t0 = self._now()
         self._work()
         spent = self._now() - t0
+        if first:  # it sets up the kernels; the pace is read from the next canary on (module doc)
+            return spent
         self._times.append(spent if self._share is None else self._share([spent])[0])
         level = median(self._times)
         self._unit = self._unit or level
