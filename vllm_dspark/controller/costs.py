@@ -57,6 +57,7 @@ class StepCosts:
         self._overhead: float | None = None  # verify step minus plain step, same R and B
         self._errors: deque[float] = deque(maxlen=tuning.cost.error_window)  # whole-step prediction error
         self._alone = False  # a user's pinned curve decides alone: margin()
+        self._shapes: set[tuple[int, int]] = set()  # step shapes run so far: first_run
 
     def pin(self, curve: CostCurve, source: str, alone: bool = False) -> None:
         """Use ``curve``'s fixed costs instead of learning them online
@@ -124,18 +125,39 @@ class StepCosts:
         it makes a step's tokens look dear only while it lasts)."""
         return self.predict(coming, 0, self.k).plain / coming
 
-    def observe(self, s: StepSample) -> float:
-        """Learn from one step; returns what the models predicted for it."""
+    def first_run(self, s: StepSample) -> bool:
+        """The engine's first step of this shape: its target's tokens (verifying
+        or not), or its drafter's blocks at its depth? Its time holds the
+        machine's one-time warm-up for the shape (vLLM's oneDNN linear builds
+        a primitive for every new number of rows, among others), not what the
+        kind costs: on the AMD EPYC x2 (bf16) the first verify steps at 8
+        tokens took 8.4 ms against 4.7 ms after, the drafter's first step 25 ms
+        against 3 ms, and a c=1 trial's first steps at 5-7 verify tokens 11-21
+        ms among steps of 7-9 ms, which the drafting models then priced every
+        step at. The budget still charges it (a warm-up speculation pays)."""
+        keys = [(s.tokens, s.verifies)] + ([(-s.drafted, s.depth)] if s.drafted else [])
+        new = any(key not in self._shapes for key in keys)
+        self._shapes.update(keys)
+        return new
+
+    def observe(self, s: StepSample, learn: bool = True) -> float:
+        """Learn from one step (``learn`` False: a first run, only predicted);
+        returns what the models predicted for it."""
         target = self.verify if s.verifies else self.plain
         target_seconds = max(s.seconds - (s.draft_seconds if s.drafted else 0.0), 1e-6)
         predicted = target.params.predict(s.reqs, s.tokens)
+        walked = s.drafted and s.depth > 0 and s.walk_seconds > 0
+        if s.drafted:
+            predicted += self.draft_seconds(s.drafted, s.depth if walked else self.k)
+        if not learn:  # what no speculation costs was measured a step longer ago
+            self.nospec.fade()
+            self.decode.fade()
+            return predicted
         if not s.verifies and self.verify.trusted and self.verify.covers(s.reqs):
             over = self.verify.params.predict(s.reqs, s.tokens) - target_seconds
             self._overhead = (over if self._overhead is None
                               else self._overhead_ema * self._overhead + (1 - self._overhead_ema) * over)
         if s.drafted:
-            walked = s.depth > 0 and s.walk_seconds > 0
-            predicted += self.draft_seconds(s.drafted, s.depth if walked else self.k)
             self.draft.observe(s.drafted, s.drafted * (self.block(s.depth) if walked else self.k),
                                s.draft_seconds - s.walk_seconds if walked else s.draft_seconds)
             if walked:
