@@ -134,7 +134,9 @@ class StepCosts:
         tokens took 8.4 ms against 4.7 ms after, the drafter's first step 25 ms
         against 3 ms, and a c=1 trial's first steps at 5-7 verify tokens 11-21
         ms among steps of 7-9 ms, which the drafting models then priced every
-        step at. The budget still charges it (a warm-up speculation pays)."""
+        step at. The budget still charges it: a warm-up that speculating
+        caused is speculation's cost, and leaving it out has no bound (at 16
+        requests and more almost every verify step is a new token count)."""
         keys = [(s.tokens, s.verifies)] + ([(-s.drafted, s.depth)] if s.drafted else [])
         new = any(key not in self._shapes for key in keys)
         self._shapes.update(keys)

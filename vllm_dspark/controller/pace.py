@@ -7,7 +7,7 @@ plain steps measured earlier (an awake engine runs none), so a price taken in
 a slow spell made a neutral episode look 50% ahead. A fixed canary (two
 128x128 matmuls, ~30 us each, every ``pace_every_steps`` steps) drifts with
 the steps (correlation 0.85 over 32-step windows there). The no-spec models
-learn steps in seconds at the first canary's pace (seconds / ``factor``,
+learn steps in seconds at the first reading's pace (seconds / ``factor``,
 ``factor`` the median of the last ``pace_window`` canaries over the first),
 and the budget prices in seconds at today's ``factor``, so the drift
 between the two cancels. The engine's first canary only sets up the
