@@ -48,7 +48,8 @@ def measure(dtype_name: str, lo: int, hi: int, forwards: int, seed: int = 0) -> 
 
     rng = random.Random(seed)
     out = {}
-    for name, pool in (("16 values", values[:: max(1, len(values) // 16)]), ("all values", values)):
+    spread = sorted({values[round(i * (len(values) - 1) / 15)] for i in range(16)})  # 16, evenly, ends kept
+    for name, pool in (("16 values", spread), ("all values", values)):
         rows = [rng.choice(pool) for _ in range(forwards + 100)]
         for m in rows[:100]:
             forward(m)

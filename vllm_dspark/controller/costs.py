@@ -130,13 +130,10 @@ class StepCosts:
         or not), or its drafter's blocks at its depth? Its time holds the
         machine's one-time warm-up for the shape (vLLM's oneDNN linear builds
         a primitive for every new number of rows, among others), not what the
-        kind costs: on the AMD EPYC x2 (bf16) the first verify steps at 8
-        tokens took 8.4 ms against 4.7 ms after, the drafter's first step 25 ms
-        against 3 ms, and a c=1 trial's first steps at 5-7 verify tokens 11-21
-        ms among steps of 7-9 ms, which the drafting models then priced every
-        step at. The budget still charges it: a warm-up that speculating
-        caused is speculation's cost, and leaving it out has no bound (at 16
-        requests and more almost every verify step is a new token count)."""
+        kind costs; learned, it ended trials that gained (docs/controller.md).
+        The budget still charges it: a warm-up that speculating caused is
+        speculation's cost, and leaving it out has no bound (at 16 requests
+        and more almost every verify step is a new token count)."""
         keys = [(s.tokens, s.verifies)] + ([(-s.drafted, s.depth)] if s.drafted else [])
         new = any(key not in self._shapes for key in keys)
         self._shapes.update(keys)

@@ -11,11 +11,9 @@ learn steps in seconds at the first reading's pace (seconds / ``factor``,
 ``factor`` the median of the last ``pace_window`` canaries over the first),
 and the budget prices in seconds at today's ``factor``, so the drift
 between the two cancels. The engine's first canary only sets up the
-kernels: timed right after its set-up call, from a warm cache, it read
-100 us where every later one read 160-270 us (AMD EPYC, between steps), so
-the steps learned before the second canary, a wave's 4-request warm-up,
-were priced 1.3-1.8x their time for the rest of the run, and an engine
-speculated through c=4 at 0.84x no-spec, its budget measuring a gain.
+kernels: timed right after its set-up call, from a warm cache, it reads
+fast against every later one, and the steps learned before the next one
+would be priced high for the rest of the run (docs/controller.md).
 
 Without a canary (the simulator, a GPU, where the host's pace is not the
 step's) ``factor`` stays 1. Under tensor parallelism every rank takes rank 0's
