@@ -701,14 +701,48 @@ def test_the_machine_pace_is_a_median_of_canaries_every_few_steps_in_rank_0s_tim
     for k in range(2, window + 1):
         pace.tick(k * every)
     assert pace.factor == pytest.approx(2.0)  # most of the window ran at half the first reading's pace
-    shared = [3e-4]
+    shared = [3e-4, 0.0]
     ranks = MachinePace(TUNING, canary=True, now=canary.now, work=canary.work, share=lambda v: shared)
     ranks.tick(0)
     assert ranks.tick(every) == pytest.approx(2e-4)  # the step leaves out its own canary...
-    shared = [6e-4]
+    shared = [6e-4, 0.0]
     for k in range(2, window + 1):
         ranks.tick(k * every)
     assert ranks.factor == pytest.approx(2.0)  # ...and prices by rank 0's
+
+
+def test_the_canary_takes_at_most_its_share_of_the_steps_time_and_ranks_space_it_alike():
+    """Steps of 3 ms and a 150-us canary: every 8 steps it would take 0.6% of
+    the engine's time. Spaced out, it takes at most ``pace_share`` of it and
+    still follows a change of pace; a rank whose own clock runs slower ticks
+    on the same steps as rank 0, whose step time it is given."""
+    from vllm_dspark.controller.pace import MachinePace
+
+    def run(paces, steps, share=None, step_s=3e-3):
+        canary = _Canary(1.5e-4)
+        pace = MachinePace(TUNING, canary=True, now=canary.now, work=canary.work, share=share)
+        ticks, spent = [], 0.0
+        for n in range(steps):
+            canary.seconds = 1.5e-4 * paces(n)
+            took = pace.tick(n)
+            if took:
+                ticks.append(n)
+                spent += took
+            canary.t += step_s
+        return pace, ticks, spent
+
+    steps = 20_000
+    pace, ticks, spent = run(lambda n: 1.0, steps)
+    assert spent / (steps * 3e-3) <= TUNING.pace_share * 1.1  # within its share (the first few at every 8 steps)
+    assert min(b - a for a, b in zip(ticks[2:], ticks[3:])) > 4 * TUNING.pace_every_steps
+    assert pace.factor == pytest.approx(1.0)
+    slow, _, _ = run(lambda n: 2.0 if n >= steps // 2 else 1.0, steps)
+    assert slow.factor == pytest.approx(2.0)  # the second half ran at half the pace: followed
+    broadcast = []  # what rank 0 shares, in order
+    _, rank0, _ = run(lambda n: 1.0, 4000, share=lambda v: broadcast.append(v) or v)
+    received = iter(broadcast)
+    _, rank1, _ = run(lambda n: 1.0, 4000, share=lambda v: next(received), step_s=6e-3)
+    assert len(rank0) > 10 and rank1 == rank0  # its own steps took twice as long; it spaces by rank 0's
 
 
 @pytest.mark.parametrize("paced", [False, True])

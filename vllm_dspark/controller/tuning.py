@@ -73,7 +73,7 @@ class ControllerTuning:
     min_token_spread: float = 0.1  # relative spread of verified tokens below which the shifts run and the plain slope prices a token
     # Dormancy (dormancy.py)
     dormant_skip_share: float = 0.9  # share of recent steps that skipped drafting before dormancy
-    dormant_recheck_every: int = 8  # steps between full checks while dormant
+    dormant_recheck_every: int = 16  # steps between full checks while dormant
     dormant_exit_checks: int = 2  # paying checks in a row that end dormancy
     dormant_record_every: int = 4  # dormant plain steps (not coasting) per one recorded into the cost models
     # Exploration budget (budget.py)
@@ -85,7 +85,8 @@ class ControllerTuning:
     budget_price_age_steps: int = 2048  # speculating steps a no-spec price holds: longer risks drift, shorter costs context
     trial_steps: int = 32  # drafting steps an exploring episode takes whatever the models say: what it learns from
     # Machine pace (pace.py)
-    pace_every_steps: int = 8  # steps between canaries (~60 us each): more follows drift sooner, costs more
+    pace_every_steps: int = 8  # the fewest steps between canaries: fewer follows drift sooner, costs more
+    pace_share: float = 0.001  # the most of the steps' time the canary may take (spaced out to keep within it)
     pace_window: int = 9  # canaries in the median: more is steadier, slower to follow a spell
     cost: CostModelTuning = field(default_factory=CostModelTuning)
     calibration: CalibrationTuning = field(default_factory=CalibrationTuning)
