@@ -57,7 +57,9 @@ def time_steps(worker) -> bool:
     ("dspark") and vLLM's CPU runner's, called directly ("vllm"), both on the
     plain step, and each is timed (execute_model and sample_tokens, not the
     engine's gap between the two calls). Alternating step by step, the
-    machine's drift (here ±20% between waves) falls on both alike."""
+    machine's drift (here ±20% between waves) falls on both alike. Decode
+    steps only: a wave's prompt steps fall on one arm or the other by the
+    step's parity, and would outweigh the hooks in a mean."""
     import time
 
     from vllm.v1.worker.cpu_model_runner import CPUModelRunner
@@ -67,8 +69,10 @@ def time_steps(worker) -> bool:
     state = worker.dspark_ab = {"arm": "vllm", "steps": {"dspark": [], "vllm": []}, "execute": 0.0}
     runner._plain_switch.set(True)
 
-    def execute_model(*args, **kwargs):
+    def execute_model(scheduler_output, *args, **kwargs):
         state["arm"] = "dspark" if state["arm"] == "vllm" else "vllm"
+        state["decode"] = scheduler_output.total_num_scheduled_tokens == len(scheduler_output.num_scheduled_tokens)
+        args = (scheduler_output, *args)
         t0 = time.perf_counter()
         out = arms[state["arm"]].execute_model(runner, *args, **kwargs)
         state["execute"] = time.perf_counter() - t0
@@ -77,7 +81,8 @@ def time_steps(worker) -> bool:
     def sample_tokens(*args, **kwargs):
         t0 = time.perf_counter()
         out = arms[state["arm"]].sample_tokens(runner, *args, **kwargs)
-        state["steps"][state["arm"]].append(state["execute"] + time.perf_counter() - t0)
+        if state["decode"]:
+            state["steps"][state["arm"]].append(state["execute"] + time.perf_counter() - t0)
         return out
 
     runner.execute_model, runner.sample_tokens = execute_model, sample_tokens
