@@ -173,13 +173,23 @@ def measure_head_to_head(first, second, prompts: list[str], concurrency: int, ma
     order swapped every pair (ABBA: a steady drift favours neither). Returns
     (first's, second's) tok/s per pair. Two engines only, so each pair's
     rounds are seconds apart, not a whole sweep round: the per-pair ratio
-    cancels more of a shared machine's drift than the sweep's rounds can."""
+    cancels more of a shared machine's drift than the sweep's rounds can.
+    A round right after the other engine's is not measured: the engine runs
+    it once unmeasured first. Any engine's first round after another's ran
+    4-5% slow (caches; ``bench_order_effect.py``), and ABBA put that round on
+    the second engine of every pair: two no-spec engines' pairs fell in two
+    clusters 7% apart by order."""
     waves = max(2, 4 // concurrency)  # the sweep's round
     batch = prompts[: concurrency * waves]
-    out = []
+    out, last = [], None
     for i in range(pairs):
         order = (first, second) if i % 2 == 0 else (second, first)
-        rates = {id(llm): measure_offline(llm, batch, concurrency, max_tokens).tokens_per_s for llm in order}
+        rates = {}
+        for llm in order:
+            if llm is not last:
+                measure_offline(llm, batch, concurrency, max_tokens)  # settles after the other engine's round
+            rates[id(llm)] = measure_offline(llm, batch, concurrency, max_tokens).tokens_per_s
+            last = llm
         out.append((rates[id(first)], rates[id(second)]))
     return out
 
