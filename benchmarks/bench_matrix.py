@@ -267,8 +267,9 @@ def settings(args, workload: str) -> dict:
     base = {"arms": args.arms, "target": in_repo(args.target), "drafter": in_repo(args.drafter),
             "identity": args.identity_prompts}
     if workload == "waves":
+        # Settled pairs (measure_head_to_head, 363b0bc) do not pool with the plain ABBA pairs before them.
         return {**base, "concurrency": args.concurrency, "max_tokens": args.max_tokens, "rounds": args.rounds,
-                "pairs": args.pairs}
+                "pairs": args.pairs, "pairs_settled": True}
     if workload.startswith("soak"):
         return {**base, "max_tokens": args.max_tokens, "soak_requests": args.soak_requests,
                 "soak_kv_tokens": args.soak_kv_tokens, "soak_rounds": args.soak_rounds}
