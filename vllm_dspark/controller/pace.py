@@ -6,12 +6,12 @@ seconds to minutes. The exploration budget prices a speculating step against
 plain steps measured earlier (an awake engine runs none), so a price taken in
 a slow spell made a neutral episode look 50% ahead. A fixed canary (two
 128x128 matmuls) drifts with the steps (correlation 0.85 over 32-step
-windows there). Run after a forward it takes 120-170 us, not the 30 us it
-takes warm, and an engine pays it unseen (the clock leaves it out of its
-step): every 8 steps it cost a dormant engine 0.5% of its time at 4
-requests. So it runs at most every ``pace_every_steps`` steps and at least
-as far apart as keeps its median time within ``pace_share`` of the steps'
-time between canaries. The no-spec models
+windows there). Run after a forward it takes 120-170 us (an Intel Xeon
+host), not the 30 us it takes warm, and an engine pays it unseen (the
+clock leaves it out of its step): every 8 steps it cost a dormant engine
+0.5% of its time at 4 requests. So it runs at most every
+``pace_every_steps`` steps and at least as far apart as keeps its median
+time within ``pace_share`` of the steps' time between canaries. The no-spec models
 learn steps in seconds at the first reading's pace (seconds / ``factor``,
 ``factor`` the median of the last ``pace_window`` canaries over the first),
 and the budget prices in seconds at today's ``factor``, so the drift
