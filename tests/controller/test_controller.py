@@ -164,7 +164,7 @@ def _recording(ctl):
     """The samples ``ctl`` records into its cost models, in a list."""
     seen = []
     observe = ctl.costs.observe
-    ctl.costs.observe = lambda sample, **kw: (seen.append(sample), observe(sample, **kw))[1]
+    ctl.costs.observe = lambda sample, *a, **kw: (seen.append(sample), observe(sample, *a, **kw))[1]
     return seen
 
 

@@ -151,26 +151,32 @@ def test_a_verified_token_is_priced_by_the_plain_slope_until_verify_steps_vary()
     assert costs.token_cost() == pytest.approx(verify_tok, rel=0.3)
 
 
-def test_a_step_shape_s_first_run_is_learned_by_no_model():
+def test_a_step_shape_s_first_run_is_learned_by_no_model_of_that_shape():
     """The first step of a shape (its target's token count, verifying or not;
     its drafter's blocks at its depth) carries the machine's one-time warm-up
     for it: on the AMD EPYC x2 the first verify steps at 8 tokens took 8.4 ms
     against 4.7 ms after, the drafter's first step 25 ms against 3 ms. The
-    controller asks first_run, and observe(learn=False) only predicts."""
+    controller asks first_run; each model skips only its own shape's first
+    run (skipping the whole step for either, a short run's drafting model
+    learned nothing: every drafting step was new in one or the other)."""
     from vllm_dspark.controller.clock import StepSample
     from vllm_dspark.controller.costs import StepCosts
     from vllm_dspark.controller.tuning import ControllerTuning
 
     costs = StepCosts(7, ControllerTuning())
     verify = StepSample(1, 8, True, 0.0047, 0.003, 1, walk_seconds=0.0002, depth=7, draft_tokens=7)
-    assert costs.first_run(verify) and not costs.first_run(verify)
-    assert costs.first_run(verify._replace(tokens=6, draft_tokens=5))  # a new token count
-    assert costs.first_run(verify._replace(depth=5))  # the drafter at a new depth
-    assert costs.first_run(verify._replace(verifies=False))  # a plain step of 8 tokens: another path
-    assert not costs.first_run(verify._replace(seconds=0.025))  # the time is no part of the shape
+    assert costs.first_run(verify) == (True, True) and costs.first_run(verify) == (False, False)
+    assert costs.first_run(verify._replace(tokens=6, draft_tokens=5)) == (True, False)  # a new token count
+    assert costs.first_run(verify._replace(depth=5)) == (False, True)  # the drafter at a new depth
+    assert costs.first_run(verify._replace(verifies=False)) == (True, False)  # a plain step of 8 tokens: another path
+    assert costs.first_run(verify._replace(seconds=0.025)) == (False, False)  # the time is no part of the shape
     models = (costs.verify, costs.plain, costs.draft, costs.walk, costs.nospec, costs.decode)
     before = [m.observations for m in models]
-    predicted = costs.observe(verify._replace(seconds=0.025), learn=False)
+    predicted = costs.observe(verify._replace(seconds=0.025), (True, True))
     assert [m.observations for m in models] == before
     assert predicted == costs.observe(verify)  # the same prediction, learned this time
     assert costs.verify.observations == before[0] + 1
+    costs.observe(verify._replace(depth=3), (False, True))  # only the drafter's shape is new
+    assert (costs.verify.observations, costs.draft.observations) == (before[0] + 2, before[2] + 1)
+    costs.observe(verify._replace(tokens=5), (True, False))  # only the target's
+    assert (costs.verify.observations, costs.draft.observations) == (before[0] + 2, before[2] + 2)

@@ -208,7 +208,7 @@ class DSparkController:
         if sample is None:  # no step held
             return
         if sample.recorded:  # a shape's first run is the machine's warm-up: learned by no model (costs.py)
-            predicted = self.costs.observe(sample, learn=not self.costs.first_run(sample))
+            predicted = self.costs.observe(sample, self.costs.first_run(sample))
             self.budget.settle(sample)
             self.telemetry.recorded(sample, predicted, self.steps, self.costs)
         else:  # alike dormant plain steps: counted, and what they took earned

@@ -125,22 +125,26 @@ class StepCosts:
         it makes a step's tokens look dear only while it lasts)."""
         return self.predict(coming, 0, self.k).plain / coming
 
-    def first_run(self, s: StepSample) -> bool:
-        """The engine's first step of this shape: its target's tokens (verifying
-        or not), or its drafter's blocks at its depth? Its time holds the
-        machine's one-time warm-up for the shape (vLLM's oneDNN linear builds
-        a primitive for every new number of rows, among others), not what the
-        kind costs; learned, it ended trials that gained (docs/controller.md).
-        The budget still charges it: a warm-up that speculating caused is
+    def first_run(self, s: StepSample) -> tuple[bool, bool]:
+        """The engine's first step of this shape, for its target (its token
+        count, verifying or not) and for its drafter (its blocks at its depth)?
+        Its time holds the machine's one-time warm-up for the shape (vLLM's
+        oneDNN linear builds a primitive for every new number of rows, among
+        others), not what the kind costs; learned, it ended trials that gained
+        (docs/controller.md). Each model skips only its own shape's first run:
+        skipping the whole step for either, a short run's drafting model
+        learned from none of its steps (each new in one or the other). The
+        budget still charges it: a warm-up that speculating caused is
         speculation's cost, and leaving it out has no bound (at 16 requests
         and more almost every verify step is a new token count)."""
-        keys = [(s.tokens, s.verifies)] + ([(-s.drafted, s.depth)] if s.drafted else [])
-        new = any(key not in self._shapes for key in keys)
-        self._shapes.update(keys)
+        target, draft = (s.tokens, s.verifies), (-s.drafted, s.depth)
+        new = (target not in self._shapes, bool(s.drafted) and draft not in self._shapes)
+        self._shapes.update([target, draft] if s.drafted else [target])
         return new
 
-    def observe(self, s: StepSample, learn: bool = True) -> float:
-        """Learn from one step (``learn`` False: a first run, only predicted);
+    def observe(self, s: StepSample, first: tuple[bool, bool] = (False, False)) -> float:
+        """Learn from one step (``first``: its target's and its drafter's
+        shapes run for the first time, first_run; that model only predicts);
         returns what the models predicted for it."""
         target = self.verify if s.verifies else self.plain
         target_seconds = max(s.seconds - (s.draft_seconds if s.drafted else 0.0), 1e-6)
@@ -148,7 +152,12 @@ class StepCosts:
         walked = s.drafted and s.depth > 0 and s.walk_seconds > 0
         if s.drafted:
             predicted += self.draft_seconds(s.drafted, s.depth if walked else self.k)
-        if not learn:  # what no speculation costs was measured a step longer ago
+        if s.drafted and not first[1]:
+            self.draft.observe(s.drafted, s.drafted * (self.block(s.depth) if walked else self.k),
+                               s.draft_seconds - s.walk_seconds if walked else s.draft_seconds)
+            if walked:
+                self.walk.observe(s.drafted, 0, s.walk_seconds / s.depth)
+        if first[0]:  # what no speculation costs was measured a step longer ago
             self.nospec.fade()
             self.decode.fade()
             return predicted
@@ -156,18 +165,14 @@ class StepCosts:
             over = self.verify.params.predict(s.reqs, s.tokens) - target_seconds
             self._overhead = (over if self._overhead is None
                               else self._overhead_ema * self._overhead + (1 - self._overhead_ema) * over)
-        if s.drafted:
-            self.draft.observe(s.drafted, s.drafted * (self.block(s.depth) if walked else self.k),
-                               s.draft_seconds - s.walk_seconds if walked else s.draft_seconds)
-            if walked:
-                self.walk.observe(s.drafted, 0, s.walk_seconds / s.depth)
         target.observe(s.reqs, s.tokens, target_seconds)
         if s.plain:
             self.observe_plain(s.reqs, s.tokens, s.seconds)
         else:  # what no speculation costs was measured a step longer ago
             self.nospec.fade()
             self.decode.fade()
-        self._errors.append(abs(predicted - s.seconds) / s.seconds)
+        if not any(first):
+            self._errors.append(abs(predicted - s.seconds) / s.seconds)
         return predicted
 
     def observe_plain(self, reqs: int, tokens: int, seconds: float) -> None:
