@@ -207,7 +207,7 @@ class DSparkController:
     def _record(self, sample: StepSample | None) -> None:
         if sample is None:  # no step held
             return
-        if sample.recorded:  # a shape's first run is the machine's warm-up: learned by no model (costs.py)
+        if sample.recorded:  # a shape's first run is the machine's warm-up: no model of that shape learns it (costs.py)
             predicted = self.costs.observe(sample, self.costs.first_run(sample))
             self.budget.settle(sample)
             self.telemetry.recorded(sample, predicted, self.steps, self.costs)
