@@ -29,18 +29,6 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 ENGINES = ("nospec-2", "dspark-held")
 
 
-def plain_pairs(first, second, batch: list[str], c: int, max_tokens: int, pairs: int) -> list[tuple[float, float]]:
-    """ABBA pairs, every round measured (the head to head before settling)."""
-    from vllm_dspark.benchmarking import measure_offline
-
-    out = []
-    for i in range(pairs):
-        order = (first, second) if i % 2 == 0 else (second, first)
-        rates = {id(llm): measure_offline(llm, batch, c, max_tokens).tokens_per_s for llm in order}
-        out.append((rates[id(first)], rates[id(second)]))
-    return out
-
-
 def summary(rates: list[tuple[float, float]]) -> dict:
     from bench_dspark import bootstrap_median_interval
 
@@ -97,7 +85,6 @@ def main(argv=None) -> dict:
 
     prompts = [p["text"] for p in load_prompts()]
     c = args.concurrency
-    batch = prompts[: c * max(2, 4 // c)]
     spec = {"method": "dspark", "model": str(REPO / TINY_DRAFTER), "num_speculative_tokens": 7}
     t0 = time.time()
     engines = {"nospec": start_engine(str(REPO / TINY_TARGET), c), "nospec-2": start_engine(str(REPO / TINY_TARGET), c),
@@ -110,11 +97,8 @@ def main(argv=None) -> dict:
         for rep in range(args.repeats):
             for mode, rows in modes.items():
                 for name in ENGINES:
-                    if mode == "plain":
-                        rates = plain_pairs(engines[name], engines["nospec"], batch, c, args.max_tokens, args.pairs)
-                    else:
-                        rates = measure_head_to_head(engines[name], engines["nospec"], prompts, c, args.max_tokens,
-                                                     args.pairs)
+                    rates = measure_head_to_head(engines[name], engines["nospec"], prompts, c, args.max_tokens,
+                                                 args.pairs, settle=mode == "settled")
                     row = summary(rates)
                     rows[name].append(row)
                     print(f"[order] {mode:>7} {name} / no-spec = {row['median']:.3f} (no-spec second "

@@ -31,6 +31,9 @@ def test_head_to_head_alternates_order_and_keeps_each_engines_rate(monkeypatch):
     # ABBA (drift favours neither); a round right after the other engine's is run once unmeasured first
     assert calls == ["a", "a", "b", "b", "b", "a", "a", "a", "b", "b", "b", "a", "a"]
     assert pairs == [(90.0, 100.0)] * 4  # (first's, second's) whichever ran first
+    calls.clear()
+    assert benchmarking.measure_head_to_head("a", "b", ["p"] * 64, 16, 8, pairs=4, settle=False) == pairs
+    assert calls == ["a", "b", "b", "a", "a", "b", "b", "a"]  # every round measured
 
 
 def _arms(adaptive_rounds, nospec_rounds):

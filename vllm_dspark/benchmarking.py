@@ -168,7 +168,7 @@ def measure_interleaved(engines: dict, prompts: list[str], concurrencies: list[i
 
 
 def measure_head_to_head(first, second, prompts: list[str], concurrency: int, max_tokens: int,
-                         pairs: int) -> list[tuple[float, float]]:
+                         pairs: int, settle: bool = True) -> list[tuple[float, float]]:
     """Two live engines, one round each back to back, ``pairs`` times, the
     order swapped every pair (ABBA: a steady drift favours neither). Returns
     (first's, second's) tok/s per pair. Two engines only, so each pair's
@@ -178,7 +178,8 @@ def measure_head_to_head(first, second, prompts: list[str], concurrency: int, ma
     it once unmeasured first. Any engine's first round after another's ran
     4-5% slow (caches; ``bench_order_effect.py``), and ABBA put that round on
     the second engine of every pair: two no-spec engines' pairs fell in two
-    clusters 7% apart by order."""
+    clusters 7% apart by order. ``settle`` False: every round measured (how
+    bench_order_effect.py shows that)."""
     waves = max(2, 4 // concurrency)  # the sweep's round
     batch = prompts[: concurrency * waves]
     out, last = [], None
@@ -186,7 +187,7 @@ def measure_head_to_head(first, second, prompts: list[str], concurrency: int, ma
         order = (first, second) if i % 2 == 0 else (second, first)
         rates = {}
         for llm in order:
-            if llm is not last:
+            if settle and llm is not last:
                 measure_offline(llm, batch, concurrency, max_tokens)  # settles after the other engine's round
             rates[id(llm)] = measure_offline(llm, batch, concurrency, max_tokens).tokens_per_s
             last = llm
