@@ -87,6 +87,16 @@ def regime_label(regime: str, cpu_flags) -> str | None:
     return "avx2" if regime == "native" else None
 
 
+def regime_blocked(regime: str, dtype: str, cpu_flags) -> str | None:
+    """Why a regime's dtype cannot run on this CPU (None: it can). Under the
+    AVX2 cap an AMX CPU's bf16 engines abort on their first step: vLLM packs
+    small bf16 weights for AMX by CPUID, and torch's brgemm refuses them
+    under oneDNN's cap ("BFloat16 Brgemm VNNI format is only supported ...")."""
+    if regime == "avx2cap" and dtype == "bfloat16" and "amx_tile" in cpu_flags:
+        return "vLLM's AMX bf16 kernels abort under ONEDNN_MAX_CPU_ISA=AVX2 on an AMX CPU"
+    return None
+
+
 def spawn(job: dict, regime: str, work: Path) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "ONEDNN_MAX_CPU_ISA"}
     env.update(REGIMES[regime])
@@ -347,6 +357,9 @@ def main(argv=None) -> dict:
             print(f"[matrix] {regime}: skipped, this CPU ({machine['cpu']}) has no AVX-512: native is that regime")
             continue
         for dtype in args.dtypes:
+            if blocked := regime_blocked(regime, dtype, machine["cpu_flags"]):
+                print(f"[matrix] {regime}/{dtype}: skipped, {blocked}")
+                continue
             for workload in args.workloads:
                 key, want = f"{label}/{dtype}/{workload}", settings(args, workload)
                 cell = record["cells"].get(key)

@@ -99,3 +99,19 @@ def test_a_per_round_cell_takes_each_runs_best_other_arm_from_the_other_runs():
     row = summarize(cell)["tok/s"]
     assert row["best_other"] == "dspark-k3" and row["ratio_in_sample"] == pytest.approx(0.9)
     assert row["ratio"] == pytest.approx(1.0) and row["verdict"].startswith("OK")
+
+
+def test_matrix_skips_the_capped_bf16_regime_on_an_amx_cpu():
+    """Its engines abort on the first step there (bench_matrix.regime_blocked);
+    float32, and bf16 on a CPU without AMX, still run."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from bench_matrix import regime_blocked
+
+    amx, avx2 = ["avx512f", "amx_bf16", "amx_tile"], ["avx2"]
+    assert regime_blocked("avx2cap", "bfloat16", amx)
+    assert regime_blocked("avx2cap", "float32", amx) is None
+    assert regime_blocked("native", "bfloat16", amx) is None
+    assert regime_blocked("avx2cap", "bfloat16", ["avx512f"]) is None
+    assert regime_blocked("native", "bfloat16", avx2) is None

@@ -12,7 +12,7 @@ from vllm_dspark.controller.clock import StepSample
 from vllm_dspark.controller.controller import DSparkController
 from vllm_dspark.controller.cost_curve import CostCurve
 from vllm_dspark.controller.cost_model import CostParams
-from vllm_dspark.controller.plan import DraftBlocks, StepTiming, StepView, VerifyOutcome, request_caps
+from vllm_dspark.controller.plan import DraftBlocks, StepPlan, StepTiming, StepView, VerifyOutcome, request_caps
 from vllm_dspark.controller.tuning import ControllerTuning
 
 TUNING = ControllerTuning()
@@ -683,6 +683,40 @@ def test_a_shallow_depth_walks_a_whole_block_when_the_last_is_stale():
     assert ctl.plan(_Requests(["a"])).depth == 4
     _choose(ctl, ["a"], logits, [4], [True])
     assert ctl.plan(_Requests(["a"])).depth == 3
+
+
+def test_a_verdict_that_verifies_every_draft_holds_for_its_batch_unasked():
+    """The rule drafts and its lengths verify every drafted token: the next
+    cruise_every - 1 steps of the same batch (its requests, and the tokens
+    those lengths scheduled) draft at its depth and verify every drafted
+    token without the rule or the lengths being asked (gate.py), whatever
+    the confidences (the lengths never look at them). The rule runs on the
+    step after, at once on a step that does not continue the batch, and on
+    one where the budget would end the episode."""
+    ctl = _skip_rule_ctl()
+    every, asked = TUNING.cruise_every, []
+    assess, lengths = ctl.gate.assess, ctl.policy.lengths
+    ctl.gate.assess = lambda *a, **k: asked.append("rule") or assess(*a, **k)
+    ctl.policy.lengths = lambda *a, **k: asked.append("lengths") or lengths(*a, **k)
+
+    def step(tokens, reqs=("a",), logit=6.0):
+        asked.clear()
+        ctl.begin_step(StepView(reqs, (), (), None, tokens, 0, tokens > len(reqs)))
+        plan = ctl.plan(_Requests(list(reqs)))
+        n = len(reqs)
+        got = _choose(ctl, list(reqs), torch.full((n, 4), logit), [4] * n, [True] * n) if plan.mode == "draft" else None
+        return plan, got, list(asked)
+
+    assert step(1) == (StepPlan("draft", 4), [4], ["rule", "lengths"])
+    for i in range(every - 1):
+        assert step(5, logit=-6.0 if i % 2 else 6.0) == (StepPlan("draft", 4), [4], [])
+    assert step(5)[2] == ["rule", "lengths"]
+    assert step(5)[2] == []
+    assert step(4)[2] == ["rule", "lengths"]  # not the tokens the lengths scheduled: a prompt chunk, a cut
+    assert step(5, ("a", "b"))[2][0] == "rule"  # another batch
+    step(1)
+    ctl.budget.spent = lambda *a, **k: True
+    assert step(5)[2][0] == "rule"
 
 
 def test_walk_is_priced_only_once_measured_or_pinned():

@@ -106,30 +106,30 @@ class DSparkController:
         """What verification did with last step's drafts."""
         self.telemetry.verified(outcome.num_verified, outcome.accepted)
         self._gained = (sum(outcome.num_verified), sum(outcome.accepted), self.arrivals.saved(outcome))
-        pending = self.acceptance.observe(outcome, self._gained[2])
-        if pending is not None and self.telemetry.trace is not None:
-            self.telemetry.trace_blocks(self.steps, pending, outcome)
+        self.telemetry.trace_blocks(self.steps, self.acceptance.observe(outcome, self._gained[2]), outcome)
 
     def plan(self, requests: RequestView) -> StepPlan:
         """Draft this step, how deep, and whose context to keep if not."""
-        rows = len(requests.req_ids)
-        if not self.policy.gates_drafting:
+        rows, gates = len(requests.req_ids), self.policy.gates_drafting
+        if not gates:
             self._admit(requests)  # under every policy, a stale cached prefix admits without context
-        gated = self.policy.gates_drafting and rows > 0 and self._skips(rows, requests)
+        # The last verdict holds while its batch runs on (gate.py) and its episode lasts.
+        cruises = gates and self.gate.cruises(self._view, lambda: self.dormancy.lasts(self._building, rows))
+        gated = gates and rows > 0 and (self._draft() if cruises else self._skips(rows, requests))
         skips, self.depth = self.clock.agree(gated, self.depth)
         return StepPlan("skip", self.depth, self.ledger.among(requests.req_ids)) if skips else StepPlan("draft", self.depth)
 
     def choose(self, blocks: DraftBlocks) -> list[int]:
         """Verify lengths [B] for this step's blocks."""
-        caps = self.ledger.zero_caps(blocks.req_ids, blocks.caps)
-        conf = self.acceptance.calibrated(blocks.conf_logits, blocks.greedy)
-        self.acceptance.remember(blocks, caps, self.steps, conf if self.telemetry.trace is not None else None,
-                                 self.depth)
-        # Past the walked depth there are no drafts to verify.
-        cap = torch.tensor(caps, dtype=torch.int32, device=conf.device).clamp(0, min(conf.shape[1], self.depth))
+        caps, trace = self.ledger.zero_caps(blocks.req_ids, blocks.caps), self.telemetry.trace is not None
+        drafted = [min(max(c, 0), blocks.conf_logits.shape[1], self.depth) for c in caps]  # none past the walk
         allowance = self.budget.draft_tokens(self._building) if self.dormancy.guarded else None
-        lengths = list(self.clock.agree(*self.policy.lengths(conf, cap, self.costs, self._view, self.depth,
-                                                              allowance).tolist()))
+        cruises = self.gate.cruising and (allowance is None or allowance >= sum(drafted))  # verifies them all
+        conf = None if cruises and not trace else self.acceptance.calibrated(blocks.conf_logits, blocks.greedy)
+        self.acceptance.remember(blocks, caps, self.steps, conf if trace else None, self.depth)
+        lengths = list(self.clock.agree(*(drafted if cruises else self.policy.lengths(conf, torch.tensor(
+            drafted, dtype=torch.int32, device=conf.device), self.costs, self._view, self.depth, allowance).tolist())))
+        self.gate.held(self._view, lengths, drafted, cruises)
         self.telemetry.chose(lengths, self.depth)
         return lengths
 

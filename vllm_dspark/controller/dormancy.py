@@ -123,6 +123,10 @@ class Dormancy:
             # Going on, the models decide: a trial would draft on through the stretch that just lost.
             self._trial = 0 if sure or goes_on else self._trial_steps
 
+    def lasts(self, building: float, rows: int) -> bool:
+        """Awake, and the budget would not end the episode this step (heed)."""
+        return not self.dormant and not (self.budget is not None and self.budget.spent(building, rows))
+
     def wake(self) -> None:
         self.dormant, self._paying = False, 0
         self._recent.clear()

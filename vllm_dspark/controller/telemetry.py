@@ -127,6 +127,9 @@ class Telemetry:
                             verifies=sample.verifies)
 
     def trace_blocks(self, step: int, pending, outcome) -> None:
+        """The verified blocks' outcomes, when tracing (``pending``: acceptance.PendingBlocks, or None)."""
+        if self.trace is None or pending is None:
+            return
         rows_of, raw, greedy, cal, _ = pending
         cal_rows = cal.float().cpu().tolist()
         for rid, n, a in zip(outcome.req_ids, outcome.num_verified, outcome.accepted):
