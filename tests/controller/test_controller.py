@@ -685,28 +685,37 @@ def test_a_shallow_depth_walks_a_whole_block_when_the_last_is_stale():
     assert ctl.plan(_Requests(["a"])).depth == 3
 
 
-def test_a_verdict_that_verifies_every_draft_holds_for_its_batch_unasked():
-    """The rule drafts and its lengths verify every drafted token: the next
-    cruise_every - 1 steps of the same batch (its requests, and the tokens
-    those lengths scheduled) draft at its depth and verify every drafted
-    token without the rule or the lengths being asked (gate.py), whatever
-    the confidences (the lengths never look at them). The rule runs on the
-    step after, at once on a step that does not continue the batch, and on
-    one where the budget would end the episode."""
-    ctl = _skip_rule_ctl()
-    every, asked = TUNING.cruise_every, []
+def _asking(ctl):
+    """A step driver that records whether the rule ("rule") and the lengths ("lengths") were asked."""
+    asked = []
     assess, lengths = ctl.gate.assess, ctl.policy.lengths
     ctl.gate.assess = lambda *a, **k: asked.append("rule") or assess(*a, **k)
     ctl.policy.lengths = lambda *a, **k: asked.append("lengths") or lengths(*a, **k)
 
-    def step(tokens, reqs=("a",), logit=6.0):
+    def step(tokens, reqs=("a",), logit=6.0, last=None):
+        """``last``: the logit of positions 3-4 (default ``logit``)."""
         asked.clear()
         ctl.begin_step(StepView(reqs, (), (), None, tokens, 0, tokens > len(reqs)))
         plan = ctl.plan(_Requests(list(reqs)))
         n = len(reqs)
-        got = _choose(ctl, list(reqs), torch.full((n, 4), logit), [4] * n, [True] * n) if plan.mode == "draft" else None
+        tail = logit if last is None else last
+        logits = torch.tensor([[logit, logit, tail, tail]] * n)
+        got = _choose(ctl, list(reqs), logits, [4] * n, [True] * n) if plan.mode == "draft" else None
         return plan, got, list(asked)
 
+    return step
+
+
+def test_a_verdict_that_verifies_every_draft_holds_for_its_batch_unasked():
+    """The rule finds that drafting pays and its lengths verify every drafted
+    token: the next cruise_every - 1 steps of the same batch (its requests,
+    and the tokens those lengths scheduled) draft at its depth and verify
+    every drafted token without the rule or the lengths being asked
+    (gate.py), whatever the confidences (the lengths never look at them).
+    The rule runs on the step after, at once on a step that does not
+    continue the batch, and on one where the budget would end the episode."""
+    ctl = _skip_rule_ctl()
+    step, every = _asking(ctl), TUNING.cruise_every
     assert step(1) == (StepPlan("draft", 4), [4], ["rule", "lengths"])
     for i in range(every - 1):
         assert step(5, logit=-6.0 if i % 2 else 6.0) == (StepPlan("draft", 4), [4], [])
@@ -717,6 +726,35 @@ def test_a_verdict_that_verifies_every_draft_holds_for_its_batch_unasked():
     step(1)
     ctl.budget.spent = lambda *a, **k: True
     assert step(5)[2][0] == "rule"
+
+
+def test_a_verdict_whose_lengths_cut_holds_and_its_lengths_are_asked():
+    """Where the lengths verify fewer than the drafted tokens (here the last
+    two positions' confidences are low), the verdict still holds for its
+    batch, but every step asks the lengths; a probe's verdict (drafting does
+    not pay) holds for no step after it."""
+    ctl = _skip_rule_ctl()
+    step = _asking(ctl)
+    assert step(1, last=-8.0) == (StepPlan("draft", 4), [2], ["rule", "lengths"])
+    assert step(3, last=-8.0) == (StepPlan("draft", 4), [2], ["lengths"])
+    assert step(3) == (StepPlan("draft", 4), [4], ["lengths"])
+
+
+    from vllm_dspark.controller.costs import StepCosts
+    from vllm_dspark.controller.gate import DraftGate
+
+    def verdict_holds(net: float) -> bool:
+        """Does a drafting step at ``net`` (the drafting model untrusted: a probe every probe_every-th skip) hold?"""
+        gate, costs, first = DraftGate(4, TUNING, None), StepCosts(4, TUNING), StepView(("a",), (), (), None, 1, 0, False)
+        for _ in range(2 * TUNING.probe_every):  # to the first drafting step: at once, or the probe
+            if gate.cruises(first, lambda: True) or gate.drafts(net, 5e-3, 1, first, costs):
+                break
+        else:
+            raise AssertionError("no step drafted")
+        gate.held(first, [4], [4])
+        return gate.cruises(StepView(("a",), (), (), None, 5, 0, True), lambda: True)
+
+    assert verdict_holds(1e-3) and not verdict_holds(-1e-3)
 
 
 def test_walk_is_priced_only_once_measured_or_pinned():

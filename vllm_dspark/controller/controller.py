@@ -124,12 +124,12 @@ class DSparkController:
         caps, trace = self.ledger.zero_caps(blocks.req_ids, blocks.caps), self.telemetry.trace is not None
         drafted = [min(max(c, 0), blocks.conf_logits.shape[1], self.depth) for c in caps]  # none past the walk
         allowance = self.budget.draft_tokens(self._building) if self.dormancy.guarded else None
-        cruises = self.gate.cruising and (allowance is None or allowance >= sum(drafted))  # verifies them all
-        conf = None if cruises and not trace else self.acceptance.calibrated(blocks.conf_logits, blocks.greedy)
+        whole = self.gate.whole and (allowance is None or allowance >= sum(drafted))  # verifies them all
+        conf = None if whole and not trace else self.acceptance.calibrated(blocks.conf_logits, blocks.greedy)
         self.acceptance.remember(blocks, caps, self.steps, conf if trace else None, self.depth)
-        lengths = list(self.clock.agree(*(drafted if cruises else self.policy.lengths(conf, torch.tensor(
+        lengths = list(self.clock.agree(*(drafted if whole else self.policy.lengths(conf, torch.tensor(
             drafted, dtype=torch.int32, device=conf.device), self.costs, self._view, self.depth, allowance).tolist())))
-        self.gate.held(self._view, lengths, drafted, cruises)
+        self.gate.held(self._view, lengths, drafted)
         self.telemetry.chose(lengths, self.depth)
         return lengths
 

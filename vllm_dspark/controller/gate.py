@@ -13,11 +13,13 @@ fresh, paced so that they give up about ``probe_loss_budget`` of the
 throughput; while it pays, one step in ``explore_every`` skips, so the plain
 step's cost stays measured (it is what drafting is judged against).
 
-A verdict to draft whose lengths verified every drafted token holds,
-unasked, for the next ``cruise_every`` - 1 steps of the same batch (same
-requests and tokens: no prompt work, no request ended): at one request the
-rule and the lengths took 190 us of a 5.8 ms drafting step (3%), which full
-K=7 does not pay (docs/controller.md).
+A verdict that drafting pays holds, unasked, for the next ``cruise_every``
+- 1 steps of the same batch (same requests, and the tokens its lengths
+scheduled: no prompt work, no request ended); where its lengths verified
+every drafted token, so do theirs, without the lengths being asked. At one
+request the rule and the lengths took 190 us of a 5.8 ms drafting step (3%),
+which full K=7 does not pay (docs/controller.md). A probe's verdict holds
+for no step after it.
 """
 
 import math
@@ -85,7 +87,8 @@ class DraftGate:
         self._skips_in_row = 0  # skipped steps since the last drafting one
         self._since_skip = 0  # steps since the last skip
         self._cruise_every = t.cruise_every
-        self._cruise: tuple[int, tuple[str, ...], int] = _NO_CRUISE  # steps it may still hold; its batch, tokens
+        self._cruise = _NO_CRUISE
+        self._pays = False  # this step's verdict: drafting pays (not a probe)
         self.cruising = False  # this step drafts on the last verdict
 
     def assess(self, estimate, costs: StepCosts, view: StepView, rows: int, worth: float = 1.0) -> Assessment:
@@ -96,22 +99,33 @@ class DraftGate:
         """Does the last verdict hold this step unasked (``allowed()``: the
         caller has no reason to ask)? Only for the batch it was made for, with
         the tokens its lengths scheduled."""
-        left, req_ids, tokens = self._cruise
+        left, req_ids, tokens, whole = self._cruise
         self.cruising = bool(left) and view.tokens == tokens and view.req_ids == req_ids and allowed()
         if self.cruising:
-            self._cruise = (left - 1, req_ids, tokens)
+            self._cruise = _Cruise(left - 1, req_ids, tokens, whole)
             self._since_skip += 1
             self._skips_in_row = 0
         else:
-            self._cruise = _NO_CRUISE
+            self._cruise, self._pays = _NO_CRUISE, False
         return self.cruising
 
-    def held(self, view: StepView, lengths: list[int], drafted: list[int], cruised: bool) -> None:
-        """This step verifies ``lengths`` of its ``drafted`` tokens per request.
-        A verdict of the rule's that verifies every one (one at least) holds
-        for the next ``cruise_every`` - 1 steps (``cruised``: it held here)."""
-        left = self._cruise[0] if cruised else (self._cruise_every - 1 if lengths == drafted and any(lengths) else 0)
-        self._cruise = (left, view.req_ids, len(view.req_ids) + sum(lengths)) if left else _NO_CRUISE
+    @property
+    def whole(self) -> bool:
+        """This step holds a verdict whose lengths verified every drafted token: so do its."""
+        return self.cruising and self._cruise.whole
+
+    def held(self, view: StepView, lengths: list[int], drafted: list[int]) -> None:
+        """This step verifies ``lengths`` of its ``drafted`` tokens per
+        request. A verdict that drafting pays holds for the next
+        ``cruise_every`` - 1 steps, with its lengths where they verified
+        every drafted token (one at least)."""
+        whole = lengths == drafted
+        if self.cruising:
+            left, whole = self._cruise.left, whole and self._cruise.whole
+        else:
+            left = self._cruise_every - 1 if self._pays else 0
+        self._cruise = (_Cruise(left, view.req_ids, len(view.req_ids) + sum(lengths), whole)
+                        if left and any(lengths) else _NO_CRUISE)
 
     def skipped(self, steps: int = 1) -> None:
         """Steps skipped without the rule (dormant): a probe falls due as it would have."""
@@ -144,13 +158,21 @@ class DraftGate:
         probe = due >= 2 * probe_every or (due >= probe_every and not view.takes_prompts)
         if ((pays and not explore) or probe or trial) and contexts:
             self._skips_in_row = 0
+            self._pays = (pays and not explore) or trial
             return True
         self._skips_in_row = 0 if explore else self._skips_in_row + 1
         self._since_skip = 0
         return False
 
 
-_NO_CRUISE = (0, (), 0)
+class _Cruise(NamedTuple):
+    left: int  # steps the verdict may still hold
+    req_ids: tuple[str, ...]  # its batch
+    tokens: int  # the tokens its lengths scheduled for the next step
+    whole: bool  # its lengths verified every drafted token
+
+
+_NO_CRUISE = _Cruise(0, (), 0, False)
 
 
 def level_counts(caps: list[int], k: int) -> list[int]:
