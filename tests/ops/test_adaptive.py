@@ -111,3 +111,21 @@ def test_cpu_paths_match_twin(path, rows, k):
             expected = twin(conf, cap, base, tok, tmax, mt)
             got = scalar(conf, cap, base, tok, tmax, mt)
             assert got.dtype == expected.dtype and torch.equal(got, expected), (trial, base, tok, tmax, mt)
+
+
+def test_host_path_takes_the_twin_s_survivals_bit_for_bit():
+    """The survivals ops.host ranks candidates by are the twin's exactly
+    (torch's CPU cumprod keeps its running product in float64 and rounds each
+    output to float32; NumPy's float32 product drifted in the last bit): equal
+    lengths alone would miss a difference until two candidates tie on it."""
+    import numpy as np
+
+    from vllm_dspark.ops.host import survivals
+
+    gen = torch.Generator().manual_seed(1)
+    conf = torch.rand(4000, 7, generator=gen) ** 0.3
+    conf[::9, 1] = float("nan")
+    conf[::11, 0] = float("inf")
+    conf[::13, 2] = -1.0
+    twin = torch.cumprod(torch.nan_to_num(conf, nan=0.0).clamp(0.0, 1.0), dim=1)
+    assert np.array_equal(survivals(conf), twin.numpy())

@@ -17,10 +17,7 @@ def adaptive_lengths(conf: torch.Tensor, cap: torch.Tensor, base_cost: float, to
                      max_step_time: float, max_tokens: int) -> torch.Tensor:
     """ops.reference.adaptive_lengths on host arrays."""
     rows, k = conf.shape
-    # fmax/fmin drop NaN, so this is the twin's nan_to_num(0) then clamp(0, 1).
-    c = np.fmax(conf.detach().float().cpu().numpy(), 0.0)
-    np.fmin(c, 1.0, out=c)
-    surv = np.multiply.accumulate(c, axis=1)  # float32, left to right
+    surv = survivals(conf)
     cap = cap.detach().cpu().numpy()
     if (cap < k).any():
         surv[np.arange(k)[None, :] >= cap[:, None]] = 0.0
@@ -42,3 +39,12 @@ def adaptive_lengths(conf: torch.Tensor, cap: torch.Tensor, base_cost: float, to
     first_fail = int(ok.argmin()) if ok.size else 0
     admitted = first_fail if ok.size and not ok[first_fail] else a.size  # the all-ok prefix
     return torch.from_numpy(np.bincount(order[:admitted] // k, minlength=rows).astype(np.int32))
+
+
+def survivals(conf: torch.Tensor) -> np.ndarray:
+    """[R, K] float32 survivals, the twin's bit for bit: fmax/fmin drop NaN
+    (the twin's nan_to_num(0) then clamp(0, 1)), and the products run left to
+    right in float64, each rounded to float32, as torch's CPU cumprod does."""
+    c = np.fmax(conf.detach().float().cpu().numpy(), 0.0)
+    np.fmin(c, 1.0, out=c)
+    return np.multiply.accumulate(c.astype(np.float64), axis=1).astype(np.float32)
