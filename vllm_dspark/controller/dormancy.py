@@ -56,11 +56,13 @@ class Dormancy:
         self._trial_steps = t.trial_steps
         self._trial = 0  # drafting steps the open exploring episode still takes whatever the models say
 
-    def cheap_skip(self) -> int:
-        """Dormant, and the full rule is not due this step: skip without it.
-        Returns 0 (the rule is due), or how many steps from this one on may
-        skip so before it is (a coasting run: coasting.py)."""
-        if self.dormant and self._cheap < self._recheck - 1:
+    def cheap_skip(self, contextless: bool = False) -> int:
+        """Dormant (or ``contextless``: no request of the step keeps drafter
+        context, so it runs plain awake too), and the full rule is not due
+        this step: skip without it. Returns 0 (the rule is due), or how many
+        steps from this one on may skip so before it is (a coasting run:
+        coasting.py)."""
+        if (self.dormant or contextless) and self._cheap < self._recheck - 1:
             self._cheap += 1
             return self._recheck - self._cheap
         self._cheap = 0
