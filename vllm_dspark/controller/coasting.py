@@ -5,7 +5,8 @@ nothing verified) between the rule's checks (``dormant_recheck_every``,
 dormancy.py) only needs counting; so does one awake in which no request
 keeps drafter context (a batch admitted dormant runs plain to its end
 whatever the engine decides meanwhile: checked and recorded on every step,
-its steps cost 200 us more than vLLM's at 16 requests, 4% of a step). The runner asks ``coasts`` before the step
+its steps cost 200 us more than vLLM's at 16 requests, 4% of a step). The
+runner asks ``coasts`` before the step
 and, where it does, runs vLLM's step without speculation and calls nothing
 else of the controller: the step is not timed, recorded or checked, and at
 the next step that does not coast, the coasted steps are booked at once

@@ -128,7 +128,7 @@ class DraftGate:
                         if left and any(lengths) else _NO_CRUISE)
 
     def skipped(self, steps: int = 1) -> None:
-        """Steps skipped without the rule (dormant): a probe falls due as it would have."""
+        """Steps skipped without the rule (dormant, or no request with context): a probe falls due as it would have."""
         self._skips_in_row += steps
 
     def drafts(self, net: float, plain: float, contexts: int, view: StepView, costs: StepCosts,
