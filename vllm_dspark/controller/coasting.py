@@ -69,9 +69,11 @@ class Coasting:
         if fast:
             self._coasted += fast
             dormancy.cheap_skipped(fast)
-        contextless = not dormancy.dormant and self._ledger.all_without(req_ids)
-        if (not (self.enabled and plain_before and (dormancy.dormant or contextless) and self._budget.ready)
-                or admits or verifies):
+        # Awake, a step coasts where no request keeps context: asked after the cheap checks (a
+        # drafting step is not plain_before, and this walks the batch).
+        plain = self.enabled and plain_before and self._budget.ready and not (admits or verifies)
+        contextless = plain and not dormancy.dormant and self._ledger.all_without(req_ids)
+        if not (plain and (dormancy.dormant or contextless)):
             self.due = None
             return 0
         run = dormancy.cheap_skip(contextless)
