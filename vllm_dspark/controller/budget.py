@@ -38,8 +38,9 @@ full balance. It
 ends once it has lost a reserve (overall, or at the batch size of the step
 beyond what episodes there gained: a gain banked at one request must not
 fund a loss at four), plus, while its requests' drafter context
-builds up, a credit of what it opened with (the cap where the models were
-sure) scaled by the share of the batch still without context; meanwhile a
+builds up, a credit of what it opened with, up to a reserve at its batch
+size (the cap where the models were sure), scaled by the share of the
+batch still without context; meanwhile a
 step verifies at most as many drafts as that room is worth in decoded tokens
 (a verified token costs no more than a decoded one). So over any stretch the
 engine gives up about ``share`` of its time, plus a reserve and a credit per
@@ -205,8 +206,12 @@ class ExplorationBudget:
         (requests admitted before it have none, and the batch pays for
         context before it drafts them all) it may run into debt: by up to the
         cap where models that have seen enough drafting say it pays
-        (``sure``), else by what the balance holds now."""
-        self._credit = self._cap if sure else max(self.balance, 0.0) / self._step
+        (``sure``), else by what the balance holds now, up to a reserve at
+        this batch: a reserve granted at one request is 32 of its steps,
+        three at eleven, where it funded episodes that lost 100 ms of a 4 s
+        soak round (docs/controller.md)."""
+        held = min(max(self.balance, 0.0), self._reserve * self._token)
+        self._credit = self._cap if sure else held / self._step
         self._opened, self._episode, self._gain = self.balance, rows.bit_length(), {}
 
     @property
