@@ -601,11 +601,11 @@ def test_a_reserve_granted_at_one_request_funds_no_context_building_at_more():
     much again: not the whole balance (a soak's episodes at 11 requests lost
     about 100 ms a round so, Intel Xeon, bf16). Where the balance holds less
     than that reserve, the credit is what it holds."""
-    def lost_before_spent(extra_plain: int) -> float:
+    def lost_before_spent(held_steps: int) -> float:
         b = _budget()
         b.settle(_plain(1))
         b.settle(_plain(8))  # priced at 8: its reserve is lower, the balance stays
-        b.balance = min(b.balance, extra_plain * STEP)
+        b.balance = min(b.balance, held_steps * STEP)
         opened = b.balance
         b.open(False, 8)
         losing = StepSample(8, 64, True, STEP + 0.005, 0.004, 8, plain=False, draft_tokens=56, accepted=0)

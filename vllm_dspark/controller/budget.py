@@ -208,8 +208,7 @@ class ExplorationBudget:
         cap where models that have seen enough drafting say it pays
         (``sure``), else by what the balance holds now, up to a reserve at
         this batch: a reserve granted at one request is 32 of its steps,
-        three at eleven, where it funded episodes that lost 100 ms of a 4 s
-        soak round (docs/controller.md)."""
+        three at eleven (docs/controller.md)."""
         held = min(max(self.balance, 0.0), self._reserve * self._token)
         self._credit = self._cap if sure else held / self._step
         self._opened, self._episode, self._gain = self.balance, rows.bit_length(), {}
