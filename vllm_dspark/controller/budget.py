@@ -125,7 +125,7 @@ class ExplorationBudget:
             self._token, self._step_reqs = self._step / s.reqs, s.reqs
             if s.reqs.bit_length() not in self._granted:  # a batch size's first reserve is granted
                 self._granted.add(s.reqs.bit_length())
-                self.balance = max(self.balance, self._reserve * self._token)
+                self.balance = max(self.balance, self._reserve_seconds)
         if s.plain:
             self._unpriced = 0
             self.earn(s.seconds)
@@ -180,6 +180,11 @@ class ExplorationBudget:
         if self._step:
             self.earn(steps * self._price(self._decode if tokens == reqs else self._nospec, reqs, tokens))
 
+    @property
+    def _reserve_seconds(self) -> float:
+        """One episode's reserve: ``episode_tokens`` decoded tokens at the last priced batch."""
+        return self._reserve * self._token
+
     def _price(self, model: OnlineCostModel, reqs: int, tokens: int) -> float:
         """Seconds a step without speculation takes now (the model learns in pace units)."""
         return model.params.predict(reqs, tokens) * self._pace.factor
@@ -209,7 +214,7 @@ class ExplorationBudget:
         (``sure``), else by what the balance holds now, up to a reserve at
         this batch: a reserve granted at one request is 32 of its steps,
         three at eleven (docs/controller.md)."""
-        held = min(max(self.balance, 0.0), self._reserve * self._token)
+        held = min(max(self.balance, 0.0), self._reserve_seconds)
         self._credit = self._cap if sure else held / self._step
         self._opened, self._episode, self._gain = self.balance, rows.bit_length(), {}
 
@@ -237,7 +242,7 @@ class ExplorationBudget:
         unpriced = self._unpriced >= self._max_unpriced
         if (unpriced or self.balance < self._opened) and self._episode not in self._won:
             # An unpriced episode measured nothing: count it as a reserve lost.
-            lost = max(self._opened - self.balance, self._reserve * self._token if unpriced else 0.0)
+            lost = max(self._opened - self.balance, self._reserve_seconds if unpriced else 0.0)
             _, losses = self._marks.get(self._episode, (0.0, 0))
             need = min(self._opened + lost * (2 ** losses - 1), self._cap * self._step)
             self._marks[self._episode] = (need, losses + 1)
@@ -256,7 +261,7 @@ class ExplorationBudget:
         and then lost a reserve in a row (a request the drafter cannot
         follow) is due again at once, not after its loss is earned back at
         the share."""
-        need = 0.0 if pays else self._reserve * self._token
+        need = 0.0 if pays else self._reserve_seconds
         funds = self.balance + self._won.get(rows.bit_length(), 0.0)
         return (self._token > 0 and self.measured(rows)
                 and funds >= max(need, self._marks.get(rows.bit_length(), (need,))[0]))
@@ -302,7 +307,7 @@ class ExplorationBudget:
 
     def _allowance(self, building: float) -> float:
         """A reserve, and the credit for ``building`` (see _room)."""
-        return self._reserve * self._token + self._credit * building * self._step
+        return self._reserve_seconds + self._credit * building * self._step
 
     def spent(self, building: float, rows: int | None = None) -> bool:
         """End the speculating episode? It has no room left, too many steps
