@@ -195,7 +195,7 @@ def test_replay_boundaries_memoized_once_and_unchanged(monkeypatch):
 
     original = getattr(mod.replay_boundaries, "__wrapped__", mod.replay_boundaries)
     monkeypatch.setattr(mod, "replay_boundaries", original)  # undone after the test
-    monkeypatch.setattr(Scheduler, "__init__", lambda self, *a, **k: None)
+    monkeypatch.setattr(Scheduler, "__init__", lambda self, *a, **k: setattr(self, "num_lookahead_tokens", 7))
     DSparkScheduler()
     memo = mod.replay_boundaries
     memoize_replay_boundaries()
@@ -208,6 +208,34 @@ def test_replay_boundaries_memoized_once_and_unchanged(monkeypatch):
                 for _ in range(2):  # a miss, then a hit (as vLLM calls it, keyword use_eagle)
                     assert memo(n, block, use_eagle=eagle) == expected == memo(n, block, eagle)
     assert memo.cache_info().hits > 0
+
+
+def test_scheduler_reserves_draft_slots_only_while_the_worker_may_draft(monkeypatch):
+    """The worker's word (an output attribute, sent when it changes) sets
+    vLLM's per-request lookahead to 0 or back to vLLM's value, and each
+    step's load says which the step got; an output without it changes nothing."""
+    from types import SimpleNamespace
+
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from vllm_dspark.controller.signals import load_of
+    from vllm_dspark.scheduler import SLOTS_ATTR, DSparkScheduler
+
+    def init(self, *a, **k):
+        self.num_lookahead_tokens, self.running, self.waiting = 7, [], []
+        self.kv_cache_manager = SimpleNamespace(usage=0.5)
+        self.max_num_scheduled_tokens, self.max_num_running_reqs = 64, 8
+
+    monkeypatch.setattr(Scheduler, "__init__", init)
+    monkeypatch.setattr(Scheduler, "schedule", lambda self: SimpleNamespace(total_num_scheduled_tokens=1))
+    monkeypatch.setattr(Scheduler, "update_from_output", lambda self, so, out: {})
+    sched = DSparkScheduler()
+    seen = [(sched.num_lookahead_tokens, load_of(sched.schedule()).draft_slots)]
+    for word in (False, None, True, None):
+        out = SimpleNamespace(**({} if word is None else {SLOTS_ATTR: word}))
+        sched.update_from_output(None, out)
+        seen.append((sched.num_lookahead_tokens, load_of(sched.schedule()).draft_slots))
+    assert seen == [(7, True), (0, False), (0, False), (7, True), (7, True)]
 
 
 def test_draft_free_step_samples_the_rows_vllm_would():
@@ -354,7 +382,7 @@ def _mock_runner():
             cudagraph_mode=CUDAGraphMode.NONE, mode=CompilationMode.NONE))
         runner._plain_switch = PlainStepSwitch(runner, config)
         runner._dspark_timing, runner._step_verifies, runner._coasting = NO_DRAFT, False, False
-        runner._coast_left, runner._coast_batch, runner._coasted_fast = 0, (0, 0), 0
+        runner._coast_left, runner._coast_batch, runner._coasted_fast, runner._may_draft = 0, (0, 0), 0, True
         runner.cache_config = SimpleNamespace(enable_prefix_caching=False, block_size=16)
         runner.dspark = DSparkController(DSparkKnobs(persist_cost_model=False), block_len=4, plain_steps=True)
         runner.ran = ran

@@ -31,7 +31,7 @@ from vllm_dspark.proposer.dspark_proposer import DSparkProposer
 from vllm_dspark.rank_sync import rank0_share, step_clock
 from vllm_dspark.rejection_sampler import DSparkRejectionSampler
 from vllm_dspark.sampling import GREEDY_EPS
-from vllm_dspark.scheduler import DRAFTS_ATTR
+from vllm_dspark.scheduler import DRAFTS_ATTR, SLOTS_ATTR
 
 
 class DSparkRunnerMixin:
@@ -53,6 +53,7 @@ class DSparkRunnerMixin:
         # Queued context is written only for live requests that keep it.
         self.drafter.context_queue.live_requests = self.dspark.ledger.wanted(self.requests)
         self._step_verifies = self._coasting = False
+        self._may_draft = True  # what the scheduler was last told (it starts reserving draft slots, as vLLM does)
         # A coasting run (coasting.py): steps it may still coast unasked, its batch, those it did.
         self._coast_left, self._coast_batch, self._coasted_fast = 0, (0, 0), 0
         self._slots_of = self._slots = None  # the target's slot-mapping buffer, and its view
@@ -147,6 +148,11 @@ class DSparkRunnerMixin:
                 out = copy.copy(out)
                 setattr(out, DRAFTS_ATTR, drafts)
         self.dspark.end_step(self._dspark_timing)
+        may_draft = not self.dspark.dormancy.dormant
+        if may_draft != self._may_draft and isinstance(out, ModelRunnerOutput):
+            # The scheduler reserves KV slots for drafts only while the coming steps may draft (scheduler.py).
+            out, self._may_draft = copy.copy(out), may_draft
+            setattr(out, SLOTS_ATTR, may_draft)
         return out
 
     def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,

@@ -462,13 +462,14 @@ def _skip_rule_ctl(tuning=TUNING, **knobs):
     return ctl
 
 
-def _start(ctl, waiting, running=1, prompt_tokens=0, new=()):
-    """A step of one decoding request ("a"), and one prompt chunk if asked."""
+def _start(ctl, waiting, running=1, prompt_tokens=0, new=(), draft_slots=True):
+    """A step of one decoding request ("a"), and one prompt chunk if asked
+    (``draft_slots``: the scheduler reserved KV slots for drafts)."""
     from vllm_dspark.controller.signals import ATTR, LoadSignals
 
     scheduled = {"a": 1, **({"p": prompt_tokens} if prompt_tokens else {}), **dict.fromkeys(new, 1)}
     load = LoadSignals(running=running, waiting=waiting, kv_usage=0.1, scheduled_tokens=sum(scheduled.values()),
-                       token_budget=4096, max_running=64)
+                       token_budget=4096, max_running=64, draft_slots=draft_slots)
     ctl.begin_step(StepView.of(SimpleNamespace(
         num_scheduled_tokens=scheduled, total_num_scheduled_tokens=sum(scheduled.values()),
         scheduled_spec_decode_tokens={}, scheduled_new_reqs=[SimpleNamespace(req_id=r) for r in new],
@@ -495,6 +496,19 @@ def test_skip_rule_values_tokens_at_the_batch_about_to_run():
     assert not _skips(ctl)
     _start(ctl, waiting=63)
     assert _skips(ctl)
+
+
+def test_a_step_without_kv_slots_for_drafts_never_drafts():
+    """The scheduler reserves no KV slots for a block's drafts while told the
+    engine sleeps (scheduler.py); on such a step the drafter would write past
+    a request's slots, so it skips however much drafting pays, every policy.
+    The next step with slots drafts."""
+    for knobs in ({}, {"policy": "full"}):
+        ctl = _skip_rule_ctl(**knobs)
+        _start(ctl, waiting=0, draft_slots=False)
+        assert _skips(ctl)
+        _start(ctl, waiting=0)
+        assert not _skips(ctl)
 
 
 def test_skip_rule_skips_a_request_with_nothing_left_to_verify():

@@ -1,7 +1,8 @@
 """When speculation cannot pay (here: an SLO no step can meet), the controller
 skips the drafter; the drafter still takes in each step's context, and greedy
 output stays exact. Once dormant, steps run as steps without speculation,
-requests keep no drafter context, and output stays exact."""
+requests keep no drafter context, no KV slots are reserved for drafts, and
+output stays exact."""
 
 import pytest
 
@@ -47,6 +48,11 @@ def test_requests_admitted_while_dormant_are_never_drafted(llm, identity_prompts
     drafted = after["steps"] - before["steps"]
     # Every step of the batch ran without speculation's paths, and none drafted.
     assert skipped >= 100 and plain == skipped and drafted == 0, (skipped, plain, drafted)
+    assert _scheduler(llm).num_lookahead_tokens == 0  # no KV slots reserved for drafts meanwhile
+
+
+def _scheduler(llm):
+    return llm.llm_engine.engine_core.engine_core.scheduler  # an in-process engine (make_llm)
 
 
 def _end_dormancy_drafting_every_step(worker) -> bool:
@@ -71,6 +77,17 @@ def test_drafting_resumes_after_dormant_steps(llm, identity_prompts, nospec_refe
     assert after["contextless_requests"] == before["contextless_requests"]
     assert after["verified_blocks"] - before["verified_blocks"] >= 16 * 8
     assert after["accepted_tokens"] > before["accepted_tokens"]
+    scheduler = _scheduler(llm)  # slots for drafts reserved again, as vLLM reserves them
+    assert scheduler.num_lookahead_tokens == llm.llm_engine.vllm_config.num_lookahead_tokens > 0
+
+
+def _wake(llm) -> None:
+    """Dormancy ended from outside, with the draft slots the scheduler
+    reserves once the runner reports a waking controller: without them the
+    first step would skip, and the passes below would differ by it."""
+    llm.collective_rpc(_end_dormancy_drafting_every_step)
+    scheduler = _scheduler(llm)
+    scheduler.num_lookahead_tokens = llm.llm_engine.vllm_config.num_lookahead_tokens
 
 
 def _counters(llm) -> dict:
@@ -98,13 +115,13 @@ def test_prefix_cache_hits_keep_the_drafter_context_right(llm, heldout_prompts):
 
     llm.collective_rpc(_hold_dormant)
     dormant_ids, dormant = run(texts[:4])
-    llm.collective_rpc(_end_dormancy_drafting_every_step)
+    _wake(llm)
     stale_ids, stale = run(texts[:4])
     assert stale_ids == dormant_ids
     assert stale["hits"] > 0 and stale["contextless"] == 4 and stale["blocks"] == 0, stale
     # Steps where no request had context ran plain, and their rule may have
     # slept again: wake it as before.
-    llm.collective_rpc(_end_dormancy_drafting_every_step)
+    _wake(llm)
     first_ids, first = run(texts[4:])
     again_ids, again = run(texts[4:])
     assert again_ids == first_ids

@@ -114,6 +114,14 @@ LEDGER: tuple[Hook, ...] = (
         "nothing (calls super, then adds one attribute)", _UPSTREAM, ("self",),
     ),
     Hook(
+        "vllm.v1.core.sched.scheduler.Scheduler.num_lookahead_tokens", "rebind",
+        "Read by schedule() for every request's KV slots past its tokens, which a block's "
+        "drafts are written to: DSparkScheduler sets it to 0 while the worker says no step "
+        "will draft (the controller is dormant), and back to vLLM's value after.",
+        "the attribute, between two steps", "vLLM reserves draft slots only for steps that draft",
+        None, scope="scheduler-state",
+    ),
+    Hook(
         "vllm.v1.core.kv_cache_coordinator.replay_boundaries", "wrap",
         "Recomputed for every running request on every step once a drafter reads "
         "target hidden states (about 1.4 us a request on a 2-core CPU: 23 us, half a "

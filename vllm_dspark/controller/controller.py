@@ -116,7 +116,8 @@ class DSparkController:
         # The last verdict holds while its batch runs on (gate.py) and its episode lasts.
         cruises = gates and self.gate.cruises(self._view, lambda: self.dormancy.lasts(self._building, rows))
         gated = gates and rows > 0 and (self._draft() if cruises else self._skips(rows, requests))
-        skips, self.depth = self.clock.agree(gated, self.depth)
+        # A step without KV slots for drafts (scheduler.py) skips: the engine slept as the last one ended.
+        skips, self.depth = self.clock.agree(gated or not self._view.draft_slots, self.depth)
         return StepPlan("skip", self.depth, self.ledger.among(requests.req_ids)) if skips else StepPlan("draft", self.depth)
 
     def choose(self, blocks: DraftBlocks) -> list[int]:
@@ -134,8 +135,7 @@ class DSparkController:
         return lengths
 
     def end_step(self, timing: StepTiming) -> None:
-        busy = self.clock.end()
-        view = self._view
+        busy, view = self.clock.end(), self._view
         if busy is None or view.num_reqs == 0:
             return
         recorded = not (self.telemetry.trace is None and self.budget.ready and self.dormancy.unrecorded(

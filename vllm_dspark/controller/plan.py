@@ -61,6 +61,11 @@ class StepView(NamedTuple):
         return self.new_req_ids, self.stale_ids
 
     @property
+    def draft_slots(self) -> bool:
+        """The scheduler reserved KV slots for this step's drafts (scheduler.py)."""
+        return self.load is None or self.load.draft_slots
+
+    @property
     def num_reqs(self) -> int:
         return len(self.req_ids)
 

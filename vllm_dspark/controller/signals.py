@@ -20,6 +20,7 @@ class LoadSignals(NamedTuple):
     scheduled_tokens: int  # tokens the target runs this step
     token_budget: int  # max_num_batched_tokens
     max_running: int = 0  # max_num_seqs: how many requests can decode at once (0: unknown)
+    draft_slots: bool = True  # KV slots were reserved for a block's drafts (scheduler.py): the drafter may run
 
     @property
     def headroom(self) -> int:
