@@ -384,6 +384,7 @@ def _mock_runner():
         runner._dspark_timing, runner._step_verifies, runner._coasting = NO_DRAFT, False, False
         runner._coast_left, runner._coast_batch, runner._coasted_fast, runner._may_draft = 0, (0, 0), 0, True
         runner.cache_config = SimpleNamespace(enable_prefix_caching=False, block_size=16)
+        runner._track_slots = False
         runner.dspark = DSparkController(DSparkKnobs(persist_cost_model=False), block_len=4, plain_steps=True)
         runner.ran = ran
 

@@ -57,6 +57,7 @@ class DSparkRunnerMixin:
         # A coasting run (coasting.py): steps it may still coast unasked, its batch, those it did.
         self._coast_left, self._coast_batch, self._coasted_fast = 0, (0, 0), 0
         self._slots_of = self._slots = None  # the target's slot-mapping buffer, and its view
+        self._track_slots = self.cache_config.enable_prefix_caching  # which slots hold drafter context
         self._dspark_timing = NO_DRAFT
         rank = parallel.rank
         self._dspark_snapshots = SnapshotWriter(snapshot_dir(vllm_config.instance_id) if rank == 0 else None,
@@ -91,9 +92,10 @@ class DSparkRunnerMixin:
 
     def execute_model(self, scheduler_output, *args, **kwargs):
         so, tokens = scheduler_output, scheduler_output.total_num_scheduled_tokens
-        if self._coast_left and (len(so.num_scheduled_tokens), tokens) == self._coast_batch and not (
-                so.scheduled_new_reqs or so.finished_req_ids or so.scheduled_cached_reqs.resumed_req_ids
-                or so.scheduled_spec_decode_tokens):
+        fast = self._coast_left and (len(so.num_scheduled_tokens), tokens) == self._coast_batch and not (
+            so.scheduled_new_reqs or so.finished_req_ids or so.scheduled_cached_reqs.resumed_req_ids
+            or so.scheduled_spec_decode_tokens)
+        if fast:
             # The coasting run's batch, unchanged: this step coasts too, unasked (the fewer calls, the cheaper).
             self._coast_left -= 1
             self._coasted_fast += 1
@@ -109,8 +111,9 @@ class DSparkRunnerMixin:
             self._step_verifies = view.verifies  # the rejection sampler runs this step
             self._plain_switch.set(self.dspark.begin_step(view) is not None)
         out = super().execute_model(scheduler_output, *args, **kwargs)
-        if self.cache_config.enable_prefix_caching and tokens:
-            self.drafter.slots.target_wrote(self._slot_mapping()[:tokens])
+        if self._track_slots and tokens:
+            # The buffer persists: a coasting step, the cheapest there is, takes the view as it was.
+            self.drafter.slots.target_wrote((self._slots if fast else self._slot_mapping())[:tokens])
         return out
 
     def _slot_mapping(self):

@@ -51,9 +51,14 @@ class DrafterSlots:
 
     def target_wrote(self, slots) -> None:
         """A step's target forward wrote these slots (a tensor or an int64
-        array; a new step begins)."""
+        array; a new step begins). On every step with prefix caching, so the
+        usual case (an array of slots seen before) is one store: right after
+        a forward each further call costs a few µs."""
         self.step += 1
-        self._store("_target", slots)
+        try:
+            self._target[slots] = self.step
+        except (IndexError, TypeError):  # a slot past those seen, or a device tensor
+            self._store("_target", slots)
 
     def drafter_wrote(self, slots) -> None:
         """The drafter wrote its context into these slots."""
