@@ -459,6 +459,45 @@ def test_a_dormant_runner_asks_the_controller_once_a_coasting_run():
         assert all(r[0] is None for r in runner.ran[1:]) and ctl.snapshot(runner._coasted_fast).plain_steps == n
 
 
+def test_a_coasting_run_records_every_step_s_slot_writes():
+    """With prefix caching, every step's target writes are recorded, the
+    steps that coast unasked too (through the view of vLLM's persistent
+    slot buffer the run's first step made): a slot that held drafter
+    context and that a dormant step's target rewrote holds none after."""
+    from types import SimpleNamespace
+
+    import numpy as np
+    import torch
+
+    from vllm_dspark.controller.cost_model import CostParams
+    from vllm_dspark.controller.tuning import ControllerTuning
+    from vllm_dspark.proposer.drafter_slots import DrafterSlots
+
+    every = ControllerTuning().dormant_recheck_every
+    with _mock_runner() as runner:
+        ctl = runner.dspark
+        for model in (ctl.costs.nospec, ctl.costs.decode):
+            model.pin(CostParams(5e-3, 0.0, 0.0), "test")
+        buffer = torch.zeros(8, dtype=torch.int64)  # vLLM's slot-mapping buffer, rewritten in place each step
+        runner.input_batch = SimpleNamespace(block_table=[SimpleNamespace(slot_mapping=SimpleNamespace(gpu=buffer))])
+        runner.drafter, runner._track_slots = SimpleNamespace(slots=DrafterSlots()), True
+        runner._slots_of = runner._slots = None
+        slots = runner.drafter.slots
+        slots.target_wrote(np.arange(8 * every))
+        slots.drafter_wrote(np.arange(8 * every))  # every slot holds drafter context
+        assert slots.hold_context([0, 1], 4 * every, 8 * every)
+        ctl.dormancy.sleep()
+        fast = []
+        for i in range(2 * every):
+            buffer[:2] = torch.tensor([2 * i, 2 * i + 1])  # the step's two decode tokens
+            before = runner._coasted_fast
+            runner.step()
+            fast.append(runner._coasted_fast > before)
+        assert sum(fast) >= every  # most steps coasted unasked
+        assert not any(slots.hold_context([i], 2, 2) for i in range(2 * every) if fast[i])  # step i's slots 2i, 2i+1
+        assert slots.hold_context([1], 4 * every, 4 * every)  # slots no step rewrote keep it
+
+
 def test_skipped_step_queues_only_requests_with_context():
     import torch
 
