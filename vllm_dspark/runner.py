@@ -128,7 +128,7 @@ class DSparkRunnerMixin:
         """New requests whose prefix-cache hit has slots without drafter
         context (drafter_slots.py)."""
         new = scheduler_output.scheduled_new_reqs
-        if not (new and self.cache_config.enable_prefix_caching):
+        if not (new and self._track_slots):
             return frozenset()
         size, slots = self.cache_config.block_size, self.drafter.slots
         return frozenset(r.req_id for r in new if r.num_computed_tokens
