@@ -604,3 +604,21 @@ def test_snapshots_are_made_only_while_scraped(tmp_path, monkeypatch):
     gc.collect()
     writer._thread.join(timeout=2)
     assert not writer._thread.is_alive(), "the thread outlived its runner"
+
+
+def test_registering_the_collector_is_no_scrape(tmp_path, monkeypatch):
+    """Registering the collector (vLLM's registry describes each collector
+    it takes) neither marks the engine as scraped nor waits for a snapshot:
+    it did both, so every DSpark engine's worker made snapshots unread for
+    its first minute and the serving process waited 1.3 s at start-up. A
+    scrape still marks it."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from vllm_dspark import metrics
+
+    monkeypatch.setattr(metrics, "SNAPSHOT_INTERVAL_S", 0.01)
+    registry = CollectorRegistry(auto_describe=True)
+    registry.register(metrics.DSparkCollector(str(tmp_path)))
+    assert not (tmp_path / metrics.WANTED).exists()
+    generate_latest(registry)
+    assert (tmp_path / metrics.WANTED).exists()

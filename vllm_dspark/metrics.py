@@ -121,6 +121,13 @@ class DSparkCollector:
     def __init__(self, directory: str):
         self.directory = directory
 
+    def describe(self):
+        """Nothing to check at registration: without this, the registry
+        collects once to learn the names, which marked the engine as scraped
+        (its worker then made snapshots for a minute, read by no one) and
+        waited 1.3 s for a snapshot no worker could have written yet."""
+        return []
+
     def _read(self) -> list[dict]:
         """The workers' snapshots. Marks this scrape; after a quiet spell,
         waits up to two intervals for the writer to leave a fresh one."""
