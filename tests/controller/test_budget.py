@@ -810,3 +810,28 @@ def test_a_no_spec_price_from_a_slow_spell_follows_the_machine_back_up(paced):
         assert b.excess > before and ran < 64 and not b.gaining(reqs)
     else:
         assert b.excess < before and ran == TUNING.budget_price_age_steps // 2 and b.gaining(reqs)
+
+
+def test_a_reserve_granted_at_a_new_batch_size_earns_back_no_loss_at_another():
+    """An episode at four requests lost; then a step at two requests is the
+    first priced there and its reserve is granted. That grant may fund an
+    episode at two requests, but it is no earning: four requests are
+    re-tested only once the loss there is earned back at the share (in a fresh
+    engine's waves a step or two at three requests funded a second losing
+    episode at four, and the first 2,048 tokens ran 0.90x no-spec)."""
+    b = _budget()
+    b.settle(_plain(4))
+    b.open(False, 4)
+    while not b.spent(0.0, 4):
+        b.settle(StepSample(4, 32, True, 0.020, 0.005, 4, plain=False, draft_tokens=28, accepted=0))
+    b.close()
+    assert not b.retest_due(4)
+    b.settle(_plain(2))  # the first step priced at two requests: its reserve is granted
+    assert b.affords_episode(False, 2) and not b.retest_due(4)
+    steps = 0
+    while not b.retest_due(4):
+        b.settle(_plain(4))
+        steps += 1
+        assert steps < 10 ** 6
+    # Earned back at the share: about the reserve lost at four requests over the share, in steps.
+    assert steps >= 0.5 * TUNING.episode_tokens / 4 / TUNING.budget_share

@@ -23,7 +23,8 @@ never as a gain either.
 Once ``budget_warmup_steps`` plain steps were seen, the first decode step
 priced at each batch size (a power of two) lifts the balance to one episode's
 reserve there (a fresh engine, or one under a new load, explores at once:
-a reserve is in decoded tokens, dearer at fewer requests), earns ``share`` of every
+a reserve is in decoded tokens, dearer at fewer requests; a grant, not an
+earning, so it earns back no lost episode's loss), earns ``share`` of every
 step's no-speculation time and pays every speculating step's excess, up to
 ``cap_steps`` plain steps' worth (winnings must not license a long loss after
 the load changes). An episode of speculation starts while the balance holds
@@ -125,7 +126,7 @@ class ExplorationBudget:
             self._token, self._step_reqs = self._step / s.reqs, s.reqs
             if s.reqs.bit_length() not in self._granted:  # a batch size's first reserve is granted
                 self._granted.add(s.reqs.bit_length())
-                self.balance = max(self.balance, self._reserve_seconds)
+                self._grant(self._reserve_seconds - self.balance)
         if s.plain:
             self._unpriced = 0
             self.earn(s.seconds)
@@ -167,6 +168,17 @@ class ExplorationBudget:
         gained, steps = self._gain.get(reqs.bit_length(), (0.0, 0))
         self._gain[reqs.bit_length()] = (gained + excess, steps + priced)
         self._pay_in(baseline, self._share * baseline - excess)
+
+    def _grant(self, lift: float) -> None:
+        """Lift the balance by ``lift`` (if positive) without earning it: what a lost episode
+        must earn back before its batch size is re-tested rises with it (in a fresh engine's
+        waves a step or two at three requests, granted there, funded a second losing episode
+        at four)."""
+        if lift <= 0:
+            return
+        self.balance += lift
+        cap = self._cap * self._step
+        self._marks = {c: (min(need + lift, cap), losses) for c, (need, losses) in self._marks.items()}
 
     def earn(self, seconds: float) -> None:
         """A plain step (left out of the models or not: dormant steps are alike)."""
