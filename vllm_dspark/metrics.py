@@ -122,10 +122,10 @@ class DSparkCollector:
         self.directory = directory
 
     def describe(self):
-        """Nothing to check at registration: without this, the registry
-        collects once to learn the names, which marked the engine as scraped
-        (its worker then made snapshots for a minute, read by no one) and
-        waited 1.3 s for a snapshot no worker could have written yet."""
+        """Nothing to check at registration. Without it the registry collects
+        once to learn the names: that would mark the engine as scraped (its
+        worker making snapshots unread for a minute) and wait over a second
+        for a snapshot no worker has written yet."""
         return []
 
     def _read(self) -> list[dict]:

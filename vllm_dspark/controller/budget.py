@@ -171,9 +171,8 @@ class ExplorationBudget:
 
     def _grant(self, lift: float) -> None:
         """Lift the balance by ``lift`` (if positive) without earning it: what a lost episode
-        must earn back before its batch size is re-tested rises with it (in a fresh engine's
-        waves a step or two at three requests, granted there, funded a second losing episode
-        at four)."""
+        must earn back before its batch size is re-tested rises with it (a batch size seen
+        for a step or two must not fund a re-test where an episode just lost)."""
         if lift <= 0:
             return
         self.balance += lift
