@@ -176,7 +176,7 @@ class ExplorationBudget:
         if lift <= 0:
             return
         self.balance += lift
-        cap = self._cap * self._step
+        cap = self._cap_seconds
         self._marks = {c: (min(need + lift, cap), losses) for c, (need, losses) in self._marks.items()}
 
     def earn(self, seconds: float) -> None:
@@ -190,6 +190,11 @@ class ExplorationBudget:
         every rank holds alike."""
         if self._step:
             self.earn(steps * self._price(self._decode if tokens == reqs else self._nospec, reqs, tokens))
+
+    @property
+    def _cap_seconds(self) -> float:
+        """The most the balance holds: ``cap_steps`` plain decode steps at the last price."""
+        return self._cap * self._step
 
     @property
     def _reserve_seconds(self) -> float:
@@ -208,7 +213,7 @@ class ExplorationBudget:
         four requests, and each swing down took up to half the balance,
         booked as the open episode's loss."""
         self.nospec_seconds += baseline
-        cap = self._cap * self._step
+        cap = self._cap_seconds
         if amount < 0:
             self._at_cap = False
             self.balance += amount
@@ -247,7 +252,7 @@ class ExplorationBudget:
                 continue  # too short to measure, and no gain to draw on
             fund = self._won.get(rows_class, 0.0) - excess
             if fund > 0:
-                self._won[rows_class] = min(fund, self._cap * self._step)
+                self._won[rows_class] = min(fund, self._cap_seconds)
             else:
                 self._won.pop(rows_class, None)
         unpriced = self._unpriced >= self._max_unpriced
@@ -255,7 +260,7 @@ class ExplorationBudget:
             # An unpriced episode measured nothing: count it as a reserve lost.
             lost = max(self._opened - self.balance, self._reserve_seconds if unpriced else 0.0)
             _, losses = self._marks.get(self._episode, (0.0, 0))
-            need = min(self._opened + lost * (2 ** losses - 1), self._cap * self._step)
+            need = min(self._opened + lost * (2 ** losses - 1), self._cap_seconds)
             self._marks[self._episode] = (need, losses + 1)
         else:
             self._marks.pop(self._episode, None)
