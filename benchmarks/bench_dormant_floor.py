@@ -39,16 +39,12 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 def hold_dormant(worker) -> bool:
     """Runs in the worker: the controller is dormant from now on, whatever its
     rule finds (which still runs, with its bookkeeping and admissions); its
-    steps run without speculation and no request keeps context, so none drafts."""
-    from vllm_dspark.controller.dormancy import Dormancy
-
-    class Held(Dormancy):
-        def wake(self):  # neither the models nor the exploration budget end it
-            pass
-
-    ctl = worker.model_runner.dspark
-    ctl.dormancy = Held(ctl.tuning, ctl.knobs.dormant_after_steps, ctl.dormancy.budget)
-    ctl.dormancy.dormant = True
+    steps run without speculation and no request keeps context, so none drafts.
+    The controller's own Dormancy, patched (its parts hold it: a new one
+    would leave coasting asking the old)."""
+    dormancy = worker.model_runner.dspark.dormancy
+    dormancy.wake = lambda: None  # neither the models nor the exploration budget end it
+    dormancy.sleep()
     return True
 
 

@@ -16,6 +16,7 @@ from vllm_dspark.controller.plan import DraftBlocks, StepPlan, StepTiming, StepV
 from vllm_dspark.controller.tuning import ControllerTuning
 
 TUNING = ControllerTuning()
+FIXED_GAP = ControllerTuning(dormant_recheck_max=TUNING.dormant_recheck_every)  # dormant checks at one gap
 
 
 def _ctl(tuning=TUNING, now=None, cold=False, **knobs):
@@ -256,7 +257,7 @@ def test_dormant_plain_steps_coast_between_the_rule_s_checks():
 
     ticks = [iter(range(10**6)), iter(range(0, 10**7, 7))]
     ctls = [DSparkController(DSparkKnobs(persist_cost_model=False), block_len=4, plain_steps=True,
-                             now=lambda it=it: next(it) * 1e-3) for it in ticks]
+                             now=lambda it=it: next(it) * 1e-3, tuning=FIXED_GAP) for it in ticks]
     n = 8 * every
     views = [_view(("a", "b"))] * n + [_view(("a", "b", "c"), new=("c",))] + [_view(("a", "b"))] * 3
     runs = []
@@ -274,12 +275,51 @@ def test_dormant_plain_steps_coast_between_the_rule_s_checks():
     assert runs[0] == runs[1]
     coasted, recorded, rules, _ = runs[0]
     assert not coasted[0] and not coasted[n]  # the first step, and an admission
-    assert sum(coasted[:n]) == n - n // every - 1 and rules == len(views) + 1 - sum(coasted)  # the rule: 1 in every
+    # The rule: on the first step (a batch size no check has seen), then 1 in every.
+    assert sum(coasted[:n]) == n - n // every and rules == len(views) + 1 - sum(coasted)
     assert recorded < rules  # the rule's steps, one in dormant_record_every of them
     awake = DSparkController(DSparkKnobs(persist_cost_model=False), block_len=4, plain_steps=True)
     _fund(awake)
     awake.dormancy.wake()
     assert not any(run(awake, [_view(("a",), verifies=True)] * 8)[0])
+
+
+def test_dormant_checks_that_find_no_pay_space_out_until_the_batch_size_changes():
+    """Dormant, each check at the batch size of the last that finds drafting
+    would not pay doubles the gap to the next, up to dormant_recheck_max: the
+    rule's step costs a few percent of a plain one at a few requests. A step
+    at another batch size (a power of two) is checked at once and starts the
+    gaps over; so does waking, and a check where drafting pays. The rule
+    still runs on the same steps on every rank (no timing decides)."""
+    every, most = TUNING.dormant_recheck_every, TUNING.dormant_recheck_max
+    assert most > 2 * every
+
+    def rule_steps(ctl, views) -> list[int]:
+        ran, skips = [], ctl._skips
+        ctl._skips = lambda *a: ran.append(i) or skips(*a)
+        for i, v in enumerate(views):
+            if not ctl.coasts(v.req_ids, bool(v.new_req_ids), v.verifies, v.finished_req_ids, v.tokens):
+                ctl.begin_step(v)
+                ctl.end_step(StepTiming())
+        ctl._skips = skips
+        return ran
+
+    ctl = DSparkController(DSparkKnobs(persist_cost_model=False), block_len=4, plain_steps=True)
+    _fund(ctl)
+    ctl.dormancy.sleep()
+    ctl.dormancy.wake = lambda: None  # held dormant
+    two, five = _view(("a", "b")), _view(("a", "b", "c", "d", "e"))
+    ran = rule_steps(ctl, [two] * (8 * most))
+    gaps = [b - a for a, b in zip(ran, ran[1:])]
+    assert gaps[:3] == [every, 2 * every, 4 * every] and max(gaps) == most == gaps[-1], gaps
+    assert len(ran) < 8 * most // every // 4  # a quarter of the checks at the shortest gap, or fewer
+    ran = rule_steps(ctl, [five] * (2 * every))  # another batch size: checked at once, gaps start over
+    assert ran[:2] == [0, every]
+    del ctl.dormancy.wake
+    ctl.dormancy.wake()
+    ctl.dormancy.sleep()  # asleep again: the shortest gap
+    ran = rule_steps(ctl, [five] * (2 * every))
+    assert ran[1] - ran[0] == every
 
 
 def test_an_awake_batch_without_drafter_context_coasts_as_a_dormant_one():
@@ -329,7 +369,7 @@ def test_a_coasting_run_books_as_asking_every_step_would():
 
     def drive(runs: bool):
         ctl = DSparkController(DSparkKnobs(persist_cost_model=False), block_len=4, plain_steps=True,
-                               now=iter(range(10**6)).__next__)
+                               now=iter(range(10**6)).__next__, tuning=FIXED_GAP)
         _fund(ctl)
         ctl.dormancy.sleep()
         ctl.dormancy.wake = lambda: None
@@ -379,7 +419,7 @@ def test_the_nospec_models_learn_what_coasting_steps_cost_not_only_the_rule_s_st
         t[0] += 5e-3
         ctl.end_step(StepTiming())
 
-    for _ in range(60 * TUNING.dormant_recheck_every):
+    for _ in range(60 * TUNING.dormant_recheck_max):
         step(steady)
     decode = ctl.costs.decode.params.predict(2, 2)
     assert 4e-3 <= decode < 4.4e-3  # the rule's steps alone: 5 ms
@@ -572,7 +612,7 @@ def test_dormant_after_a_long_skip_until_drafting_pays():
     # Load gone: drafting pays, but the request left has no context (cap 0).
     # Two checks in a row end dormancy (the budget holds an episode's reserve).
     dormant = []
-    for _ in range(2 * recheck):
+    for _ in range(tuning.dormant_recheck_max + recheck):  # the next check as far off as those before put it
         _start(ctl, waiting=0)
         assert _skips(ctl)
         dormant.append(ctl.dormancy.dormant)
@@ -659,11 +699,11 @@ def test_dormant_engine_never_drafts_and_re_tests_on_a_full_budget():
     _fund(ctl, 100 * int(tuning.budget_cap_steps / tuning.budget_share))
     assert ctl.budget.full
     woke = []
-    for _ in range(tuning.dormant_recheck_every):
+    for _ in range(tuning.dormant_recheck_max):  # the next check, as far off as checks that found no pay put it
         _start(ctl, waiting=0, running=64, new=("b",))
         _skips(ctl, ("a", "b"))
         woke.append(not ctl.dormancy.dormant)
-    assert woke[-1] and not woke[0]
+    assert woke[-1]
 
 
 def test_no_probe_without_a_request_that_has_context():

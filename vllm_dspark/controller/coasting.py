@@ -76,7 +76,7 @@ class Coasting:
         if not (plain and (dormancy.dormant or contextless)):
             self.due = None
             return 0
-        run = dormancy.cheap_skip(contextless)
+        run = dormancy.cheap_skip(len(req_ids), contextless)
         self.due = not run
         if not run:
             return 0

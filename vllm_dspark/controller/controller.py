@@ -155,7 +155,7 @@ class DSparkController:
         request has context (``due``: coasts found the rule due). Decided from
         past steps and this step's load only: non-anticipating. docs/controller.md."""
         gate, dormancy = self.gate, self.dormancy
-        if not due and dormancy.cheap_skip(requests is None):
+        if not due and dormancy.cheap_skip(rows, requests is None):
             self._admit(requests)
             gate.skipped()
             return self._skip()

@@ -74,7 +74,8 @@ class ControllerTuning:
     min_token_spread: float = 0.1  # relative spread of verified tokens below which the shifts run and the plain slope prices a token
     # Dormancy (dormancy.py)
     dormant_skip_share: float = 0.9  # share of recent steps that skipped drafting before dormancy
-    dormant_recheck_every: int = 8  # steps between full checks while dormant
+    dormant_recheck_every: int = 8  # steps between full checks while dormant, at first
+    dormant_recheck_max: int = 64  # the longest gap, reached as checks keep finding no pay: wakes later, costs less
     dormant_exit_checks: int = 2  # paying checks in a row that end dormancy
     dormant_record_every: int = 4  # dormant plain steps (not coasting) per one recorded into the cost models
     # Exploration budget (budget.py)
