@@ -275,8 +275,7 @@ def test_dormant_plain_steps_coast_between_the_rule_s_checks():
     assert runs[0] == runs[1]
     coasted, recorded, rules, _ = runs[0]
     assert not coasted[0] and not coasted[n]  # the first step, and an admission
-    # The rule: on the first step (a batch size no check has seen), then 1 in every.
-    assert sum(coasted[:n]) == n - n // every and rules == len(views) + 1 - sum(coasted)
+    assert sum(coasted[:n]) == n - n // every - 1 and rules == len(views) + 1 - sum(coasted)  # the rule: 1 in every
     assert recorded < rules  # the rule's steps, one in dormant_record_every of them
     awake = DSparkController(DSparkKnobs(persist_cost_model=False), block_len=4, plain_steps=True)
     _fund(awake)
@@ -287,10 +286,12 @@ def test_dormant_plain_steps_coast_between_the_rule_s_checks():
 def test_dormant_checks_that_find_no_pay_space_out_until_the_batch_size_changes():
     """Dormant, each check at the batch size of the last that finds drafting
     would not pay doubles the gap to the next, up to dormant_recheck_max: the
-    rule's step costs a few percent of a plain one at a few requests. A step
-    at another batch size (a power of two) is checked at once and starts the
-    gaps over; so does waking, and a check where drafting pays. The rule
-    still runs on the same steps on every rank (no timing decides)."""
+    rule's step costs a few percent of a plain one at a few requests. At
+    another batch size (a power of two) the gap is dormant_recheck_every
+    again, counted from the last check (a batch swinging across a power of
+    two is checked no more often than that); so after waking, and after a
+    check where drafting pays. No timing decides: every rank checks on the
+    same steps."""
     every, most = TUNING.dormant_recheck_every, TUNING.dormant_recheck_max
     assert most > 2 * every
 
@@ -311,10 +312,14 @@ def test_dormant_checks_that_find_no_pay_space_out_until_the_batch_size_changes(
     two, five = _view(("a", "b")), _view(("a", "b", "c", "d", "e"))
     ran = rule_steps(ctl, [two] * (8 * most))
     gaps = [b - a for a, b in zip(ran, ran[1:])]
-    assert gaps[:3] == [every, 2 * every, 4 * every] and max(gaps) == most == gaps[-1], gaps
+    # The first check finds a new batch size (none checked before): the gaps grow from the one after it.
+    assert ran[0] < every and gaps[1:4] == [every, 2 * every, 4 * every] and max(gaps) == most == gaps[-1], gaps
     assert len(ran) < 8 * most // every // 4  # a quarter of the checks at the shortest gap, or fewer
-    ran = rule_steps(ctl, [five] * (2 * every))  # another batch size: checked at once, gaps start over
-    assert ran[:2] == [0, every]
+    ran = rule_steps(ctl, [five] * (4 * every))  # another batch size: the shortest gap, then growing again
+    assert ran[0] < every and ran[1] - ran[0] == every and ran[2] - ran[1] == 2 * every
+    swings = rule_steps(ctl, [two, five] * (4 * most))  # across a power of two on every step
+    gaps = [b - a for a, b in zip(swings, swings[1:])]
+    assert every - 1 <= min(gaps) and max(gaps) <= every + 1  # about as often as at the shortest gap
     del ctl.dormancy.wake
     ctl.dormancy.wake()
     ctl.dormancy.sleep()  # asleep again: the shortest gap

@@ -15,8 +15,9 @@ each check that finds drafting would not pay at the batch size of the last
 doubles the gap, up to ``dormant_recheck_max`` (a step that runs the rule
 costs about 150 us more than one that coasts, bf16 at four requests on an
 Intel Xeon: at the shortest gap the rule took about 1% of a dormant
-engine's time at a few requests); a check that pays, or waking, starts it
-over, and a step at another batch size checks at once. Whether
+engine's time at a few requests); a check that pays, a step at another
+batch size, or waking starts it over (a batch that swings across a power
+of two is checked as often as before, not more). Whether
 dormancy ends is the controller's call (``heed``), from ``pays``
 (``dormant_exit_checks`` checks in a row where drafting pays by more than
 the cost models' recent error times what drafting and verifying cost:
@@ -68,11 +69,11 @@ class Dormancy:
     def cheap_skip(self, rows: int, contextless: bool = False) -> int:
         """Dormant (or ``contextless``: no request of the step keeps drafter
         context, so it runs plain awake too), and the full rule is not due
-        this step (dormant, it is at once at a batch size other than the last
-        check's): skip without it. Returns 0 (the rule is due), or how many
-        steps from this one on may skip so before it is (a coasting run:
-        coasting.py)."""
-        gap = (self._gap if rows.bit_length() == self._checked_class else 0) if self.dormant else self._recheck
+        this step (dormant, at a batch size other than the last check's, it
+        is ``dormant_recheck_every`` steps after that check): skip without it.
+        Returns 0 (the rule is due), or how many steps from this one on may
+        skip so before it is (a coasting run: coasting.py)."""
+        gap = self._gap if self.dormant and rows.bit_length() == self._checked_class else self._recheck
         if (self.dormant or contextless) and self._cheap < gap - 1:
             self._cheap += 1
             return gap - self._cheap
