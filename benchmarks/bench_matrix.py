@@ -44,8 +44,10 @@ other arm, and >= 1.2x full K=7 where K=7 < no-spec. A ratio within 5% of 0.98 w
 
 Resumable and splittable: cells merge into --out with their runs and each run's provenance
 (commit, env, CPU, engine settings). A cell already holding --runs runs of the same settings is
-skipped; one with fewer gets the missing runs (--fresh: rerun). A record of another commit in
-latest/ moves to history/ first (write_record's rule); its cells are kept in the merge.
+skipped; one with fewer gets the missing runs (--fresh: rerun). Waves pool per concurrency: a run
+of some c's adds rows beside the runs of others, and --fresh drops only the rows of the c's asked
+for. A record of another commit in latest/ moves to history/ first (write_record's rule); its
+cells are kept in the merge.
 """
 
 import argparse
@@ -122,7 +124,7 @@ def summarize(cell: dict) -> dict:
     from bench_dspark import bootstrap_median_interval
 
     runs, out = cell["runs"], {}
-    for label in runs[0]["rows"]:
+    for label in row_labels(runs):
         got = [run["rows"][label] for run in runs if label in run["rows"]]
         rounds = [rd for row in got for rd in row["rounds"]]
         fig = {a: statistics.median(rd[a] for rd in rounds) for a in rounds[0]}
@@ -272,6 +274,35 @@ def in_repo(path: str) -> str:
     return str(full.relative_to(REPO)) if full.is_relative_to(REPO) else str(full)
 
 
+def row_labels(runs: list[dict]) -> list[str]:
+    """Every row of the runs, waves' in order of concurrency."""
+    labels = list(dict.fromkeys(label for run in runs for label in run["rows"]))
+    if all(label.startswith("c=") and label[2:].isdigit() for label in labels):
+        labels.sort(key=lambda label: int(label[2:]))
+    return labels
+
+
+def kept_runs(cell: dict | None, want: dict, workload: str, fresh: bool) -> tuple[list[dict], int]:
+    """The cell's runs that pool with runs of the settings ``want``, and how
+    many of them count toward --runs. Waves pool per concurrency (their
+    settings but the concurrencies match): every run counts for each c asked
+    for that it has a row of, and --fresh drops only those rows."""
+    if not cell:
+        return [], 0
+    waves = workload == "waves"
+    rest = (lambda st: {k: v for k, v in st.items() if k != "concurrency"}) if waves else (lambda st: st)
+    if rest(cell.get("settings") or {}) != rest(want):
+        return [], 0
+    runs = cell["runs"]
+    if not waves:
+        return ([], 0) if fresh else (runs, len(runs))
+    asked = [f"c={c}" for c in want["concurrency"]]
+    if fresh:
+        runs = [{**run, "rows": {k: v for k, v in run["rows"].items() if k not in asked}} for run in runs]
+        runs = [run for run in runs if run["rows"]]
+    return runs, min(sum(label in run["rows"] for run in runs) for label in asked)
+
+
 def settings(args, workload: str) -> dict:
     """What a cell's runs must share to be pooled."""
     base = {"arms": args.arms, "target": in_repo(args.target), "drafter": in_repo(args.drafter),
@@ -362,11 +393,13 @@ def main(argv=None) -> dict:
                 continue
             for workload in args.workloads:
                 key, want = f"{label}/{dtype}/{workload}", settings(args, workload)
-                cell = record["cells"].get(key)
-                have = len(cell["runs"]) if cell and cell.get("settings") == want and not args.fresh else 0
-                plan.append((key, regime, label, dtype, workload, want, have, max(0, args.runs - have)))
+                kept, have = kept_runs(record["cells"].get(key), want, workload, args.fresh)
+                if workload == "waves" and kept:  # the cell's settings name every concurrency it holds
+                    want = {**want, "concurrency": [int(label[2:]) for label in row_labels(
+                        [*kept, {"rows": {f"c={c}": None for c in args.concurrency}}])]}
+                plan.append((key, regime, label, dtype, workload, want, have, max(0, args.runs - have), kept))
     total = sum(p[7] * estimate_s(args, p[2], p[4]) for p in plan)
-    for key, _, label, _, workload, _, have, todo in plan:
+    for key, _, label, _, workload, _, have, todo, _ in plan:
         print(f"[matrix] plan {key}: {todo} run(s) to do ({have} pooled), "
               f"~{estimate_s(args, label, workload) / 60:.1f} min a run")
     print(f"[matrix] estimated total {total / 60:.0f} min ({total / 3600:.1f} h) for {sum(p[7] for p in plan)} runs")
@@ -379,13 +412,13 @@ def main(argv=None) -> dict:
             archive(args.out)  # another commit's record goes to history/; its cells stay in the merge
     work, t_all = Path(tempfile.mkdtemp(prefix="dspark_matrix_")), time.time()
     print(f"[matrix] logs in {work}", flush=True)
-    for n, (key, regime, label, dtype, workload, want, have, todo) in enumerate(plan, 1):
+    for n, (key, regime, label, dtype, workload, want, have, todo, kept) in enumerate(plan, 1):
         if not todo:
             print(f"[matrix] {key}: {have} run(s) of these settings already in the record, skipped")
             continue
         cell = {"regime": label, "cpu": machine["cpu"], "dtype": dtype, "workload": workload,
                 "unit": UNITS[workload], "settings": want,
-                "runs": record["cells"][key]["runs"] if have else []}
+                "runs": list(kept)}
         for i in range(todo):
             job = {**want, "target": args.target, "drafter": args.drafter, "workload": workload, "dtype": dtype,
                    "run": have + i, "argv": ["bench_matrix.py", *argv],

@@ -103,6 +103,30 @@ def test_a_per_round_cell_takes_each_runs_best_other_arm_from_the_other_runs():
     assert row["ratio"] == pytest.approx(1.0) and row["verdict"].startswith("OK")
 
 
+def test_matrix_waves_pool_per_concurrency():
+    """A waves run of some concurrencies pools beside runs of others (its rows
+    join theirs); --fresh drops only the rows of the concurrencies asked for;
+    other settings, or another workload's, still decide as a whole."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from bench_matrix import kept_runs, row_labels
+
+    def run(*cs):
+        return {"rows": {f"c={c}": {} for c in cs}, "identity": {}}
+
+    want = lambda *cs: {"arms": ["a"], "concurrency": list(cs)}  # noqa: E731
+    cell = {"settings": want(4, 16, 64), "runs": [run(4, 16, 64)] * 3}
+    assert kept_runs(cell, want(1), "waves", False) == (cell["runs"], 0)  # c=1 wants its runs; the rest stay
+    assert kept_runs(cell, want(4), "waves", False)[1] == 3
+    kept, have = kept_runs(cell, want(4, 16), "waves", True)
+    assert have == 0 and [row_labels([r]) for r in kept] == [["c=64"]] * 3
+    assert kept_runs(cell, {**want(4), "arms": ["b"]}, "waves", False) == ([], 0)
+    assert row_labels([run(16, 4), run(1)]) == ["c=1", "c=4", "c=16"]
+    soak = {"settings": {"x": 1}, "runs": [run(24)]}
+    assert kept_runs(soak, {"x": 1}, "soak", False)[1] == 1 and kept_runs(soak, {"x": 1}, "soak", True) == ([], 0)
+
+
 def test_matrix_skips_the_capped_bf16_regime_on_an_amx_cpu():
     """Its engines abort on the first step there (bench_matrix.regime_blocked);
     float32, and bf16 on a CPU without AMX, still run."""
