@@ -12,12 +12,12 @@ requests get no drafter context (the context ledger), and where the runner
 can, steps run as vLLM's steps without speculation; the full rule runs every
 ``dormant_recheck_every`` steps (those between coast: coasting.py), and
 each check that finds drafting would not pay at the batch size of the last
-doubles the gap, up to ``dormant_recheck_max`` (a step that runs the rule
-costs about 150 us more than one that coasts, bf16 at four requests on an
-Intel Xeon: at the shortest gap the rule took about 1% of a dormant
-engine's time at a few requests); a check that pays, a step at another
-batch size, or waking starts it over (a batch that swings across a power
-of two is checked as often as before, not more). Whether
+doubles the gap, up to ``dormant_recheck_max`` (after a forward the rule's
+step costs several times what a coasting step adds: at the shortest gap it
+was most of what a dormant step cost over vLLM's; docs/tuning.md); a check
+that pays, a step at another batch size, or waking starts it over (a batch
+swinging across a power of two is checked every ``dormant_recheck_every``
+steps). Whether
 dormancy ends is the controller's call (``heed``), from ``pays``
 (``dormant_exit_checks`` checks in a row where drafting pays by more than
 the cost models' recent error times what drafting and verifying cost:
