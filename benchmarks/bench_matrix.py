@@ -395,8 +395,8 @@ def main(argv=None) -> dict:
                 key, want = f"{label}/{dtype}/{workload}", settings(args, workload)
                 kept, have = kept_runs(record["cells"].get(key), want, workload, args.fresh)
                 if workload == "waves" and kept:  # the cell's settings name every concurrency it holds
-                    want = {**want, "concurrency": [int(label[2:]) for label in row_labels(
-                        [*kept, {"rows": {f"c={c}": None for c in args.concurrency}}])]}
+                    held = {int(label[2:]) for run in kept for label in run["rows"]}
+                    want = {**want, "concurrency": sorted(held | set(args.concurrency))}
                 plan.append((key, regime, label, dtype, workload, want, have, max(0, args.runs - have), kept))
     total = sum(p[7] * estimate_s(args, p[2], p[4]) for p in plan)
     for key, _, label, _, workload, _, have, todo, _ in plan:
