@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from vllm_dspark.controller.cost_model import CostParams, OnlineCostModel
+from vllm_dspark.controller.cost_model import CostParams, OnlineCostModel, write_saved
 
 
 def _curve(model, t0, tr, tt, steps, gen, noise=0.03):
@@ -87,13 +87,46 @@ def test_persists_under_fingerprint(tmp_path):
     gen = torch.Generator().manual_seed(3)
     m = OnlineCostModel("abc", tmp_path)
     _curve(m, 4e-3, 2e-4, 6e-5, 300, gen)
-    m.save()
+    write_saved([m.saved()])
     again = OnlineCostModel("abc", tmp_path)
     assert again.loaded_from and _max_rel_error(again, 4e-3, 2e-4, 6e-5) < 0.1
     assert OnlineCostModel("other", tmp_path).loaded_from is None
     (tmp_path / "cost_model_abc.json").write_text(json.dumps({"schema_version": 2, "fingerprint": "abc",
                                                               "xtx": [1, 2], "xty": []}))
     assert OnlineCostModel("abc", tmp_path).loaded_from is None  # damaged: ignored, not fatal
+
+
+def test_a_save_leaves_the_writing_to_a_thread_and_drops_a_save_while_one_writes(tmp_path, monkeypatch):
+    """StepCosts.save returns before its files are written (the step goes
+    on), writes every model's fit as it was when asked, and skips a save
+    asked while the last one still writes."""
+    import threading
+
+    from vllm_dspark.controller import costs as costs_module
+    from vllm_dspark.controller.costs import StepCosts
+    from vllm_dspark.controller.tuning import ControllerTuning
+
+    release, calls = threading.Event(), []
+
+    def held_write(saved):
+        calls.append(saved)
+        release.wait(10)
+        write_saved(saved)
+
+    monkeypatch.setattr(costs_module, "write_saved", held_write)
+    costs = StepCosts(4, ControllerTuning(), fingerprint="fp", cache_dir=tmp_path)
+    _curve(costs.plain, 4e-3, 2e-4, 6e-5, 300, torch.Generator().manual_seed(4))
+    asked = costs.plain.saved()[1]
+    costs.save()
+    _curve(costs.plain, 8e-3, 2e-4, 6e-5, 50, torch.Generator().manual_seed(5))  # learns on meanwhile
+    costs.save()  # the first still writes: dropped
+    assert len(calls) == 1 and not list(tmp_path.glob("*.json"))
+    release.set()
+    costs._writer.join(10)
+    written = json.loads((tmp_path / "cost_model_fp-plain.json").read_text())
+    assert written["xtx"] == asked["xtx"] and written["xty"] == asked["xty"]
+    assert len(list(tmp_path.glob("cost_model_fp-*.json"))) == 6
+    assert OnlineCostModel("fp-plain", tmp_path).loaded_from
 
 
 def test_cost_curve_round_trip_and_defaults(tmp_path):

@@ -184,17 +184,14 @@ class OnlineCostModel:
         return 100.0 * sum(self.errors) / len(self.errors) if self.errors else None
 
     # -- persistence ------------------------------------------------------
-    def save(self) -> None:
+    def saved(self) -> tuple[Path, dict] | None:
+        """Where the fit goes and what (None: not persisted), copied now, so
+        another thread may write it (write_saved) while this one learns on."""
         if self.path is None:
-            return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        data = {"schema_version": SCHEMA_VERSION, "fingerprint": self.fingerprint,
-                "xtx": self.xtx, "xty": self.xty,
-                "observations": self.observations, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
-        fd, tmp = tempfile.mkstemp(dir=self.path.parent, suffix=".tmp")
-        with os.fdopen(fd, "w") as fh:
-            json.dump(data, fh)
-        os.replace(tmp, self.path)  # atomic: readers never see half a file
+            return None
+        return self.path, {"schema_version": SCHEMA_VERSION, "fingerprint": self.fingerprint,
+                           "xtx": [row[:] for row in self.xtx], "xty": self.xty[:],
+                           "observations": self.observations, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
 
     def _load(self) -> None:
         try:
@@ -263,3 +260,12 @@ def _solve_nonnegative(a: list[list[float]], b: list[float]) -> list[float]:
             best, best_obj = cand, obj
     return best
 
+
+def write_saved(saved: list[tuple[Path, dict]]) -> None:
+    """Write what ``saved`` returned, each file atomically (readers never see half a file)."""
+    for path, data in saved:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+        with os.fdopen(fd, "w") as fh:
+            json.dump(data, fh)
+        os.replace(tmp, path)
