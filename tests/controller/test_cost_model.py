@@ -213,3 +213,17 @@ def test_a_step_shape_s_first_run_is_learned_by_no_model_of_that_shape():
     assert (costs.verify.observations, costs.draft.observations) == (before[0] + 2, before[2] + 1)
     costs.observe(verify._replace(tokens=5), (True, False))  # only the target's
     assert (costs.verify.observations, costs.draft.observations) == (before[0] + 2, before[2] + 2)
+
+
+def test_a_cache_that_cannot_be_written_is_warned_about_not_fatal(tmp_path, caplog):
+    """The cache folder's parent is a file: the save warns, naming the folder
+    and the fix, and raises nothing (it runs in the writer thread)."""
+    import logging
+
+    blocker = tmp_path / "not_a_dir"
+    blocker.write_text("")
+    m = OnlineCostModel("abc", blocker / "cache")
+    with caplog.at_level(logging.WARNING):
+        write_saved([m.saved()])
+    assert "VLLM_DSPARK_CACHE_DIR" in caplog.text and str(blocker / "cache") in caplog.text
+    assert not list(tmp_path.rglob("*.tmp"))

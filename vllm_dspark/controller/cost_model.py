@@ -262,10 +262,22 @@ def _solve_nonnegative(a: list[list[float]], b: list[float]) -> list[float]:
 
 
 def write_saved(saved: list[tuple[Path, dict]]) -> None:
-    """Write what ``saved`` returned, each file atomically (readers never see half a file)."""
+    """Write what ``saved`` returned, each file atomically (readers never see
+    half a file). A cache that cannot be written is warned about, not fatal:
+    the engine only learns from scratch next time."""
     for path, data in saved:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-        with os.fdopen(fd, "w") as fh:
-            json.dump(data, fh)
-        os.replace(tmp, path)
+        tmp = None
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+            with os.fdopen(fd, "w") as fh:
+                json.dump(data, fh)
+            os.replace(tmp, path)
+        except OSError as exc:
+            if tmp is not None and os.path.exists(tmp):
+                os.unlink(tmp)
+            from vllm_dspark.log import get_logger
+
+            get_logger(__name__).warning("Learned step costs not saved to %s (%s): set VLLM_DSPARK_CACHE_DIR "
+                                         "to a writable folder, or persist_cost_model to false.", path.parent, exc)
+            return
