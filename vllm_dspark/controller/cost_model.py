@@ -276,8 +276,13 @@ def write_saved(saved: list[tuple[Path, dict]]) -> None:
         except OSError as exc:
             if tmp is not None and os.path.exists(tmp):
                 os.unlink(tmp)
-            from vllm_dspark.log import get_logger
+            if path.parent not in _UNWRITABLE:  # once per folder: a save comes every few seconds
+                _UNWRITABLE.add(path.parent)
+                from vllm_dspark.log import get_logger
 
-            get_logger(__name__).warning("Learned step costs not saved to %s (%s): set VLLM_DSPARK_CACHE_DIR "
-                                         "to a writable folder, or persist_cost_model to false.", path.parent, exc)
+                get_logger(__name__).warning("Learned step costs not saved to %s (%s): set VLLM_DSPARK_CACHE_DIR "
+                                             "to a writable folder, or persist_cost_model to false.", path.parent, exc)
             return
+
+
+_UNWRITABLE: set[Path] = set()  # cache folders a save failed in (warned about once)
