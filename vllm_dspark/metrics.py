@@ -98,11 +98,17 @@ def _recent(path: Path, within: float = WANTED_TTL_S) -> bool:
 
 
 def write_json_atomic(path: Path, data) -> None:
+    """Readers never see half a file; a failed write leaves no temporary file behind."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-    with os.fdopen(fd, "w") as fh:
-        json.dump(data, fh)
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            json.dump(data, fh)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
 
 
 def read_snapshots(directory: str) -> list[dict]:

@@ -19,14 +19,13 @@ solve), not torch: a handful of small torch ops costs more than the math.
 
 import json
 import math
-import os
-import tempfile
 import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
 from vllm_dspark.controller.tuning import CostModelTuning
+from vllm_dspark.metrics import write_json_atomic
 
 SCHEMA_VERSION = 5  # of the saved file; 5: the drafting model no longer holds the Markov walk
 
@@ -266,16 +265,9 @@ def write_saved(saved: list[tuple[Path, dict]]) -> None:
     half a file). A cache that cannot be written is warned about, not fatal:
     the engine only learns from scratch next time."""
     for path, data in saved:
-        tmp = None
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-            with os.fdopen(fd, "w") as fh:
-                json.dump(data, fh)
-            os.replace(tmp, path)
+            write_json_atomic(path, data)
         except OSError as exc:
-            if tmp is not None and os.path.exists(tmp):
-                os.unlink(tmp)
             if path.parent not in _UNWRITABLE:  # once per folder: a save comes every few seconds
                 _UNWRITABLE.add(path.parent)
                 from vllm_dspark.log import get_logger
