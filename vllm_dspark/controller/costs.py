@@ -175,6 +175,7 @@ class StepCosts:
             self.decode.fade()
         if not any(first):
             self._errors.append(abs(predicted - s.seconds) / s.seconds)
+            self.pace.observe(s.seconds, predicted)  # how far the canary is borne out (pace.py)
         return predicted
 
     def observe_plain(self, reqs: int, tokens: int, seconds: float) -> None:

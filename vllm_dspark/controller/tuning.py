@@ -90,6 +90,8 @@ class ControllerTuning:
     pace_every_steps: int = 8  # the fewest steps between canaries: fewer follows drift sooner, costs more
     pace_share: float = 0.001  # the most of the steps' time the canary may take (spaced out to keep within it)
     pace_window: int = 9  # canaries in the median: more is steadier, slower to follow a spell
+    pace_fit_decay: float = 0.98  # per canary, in the fit of canary against steps: ~50 canaries count
+    pace_min_fits: int = 16  # canaries set against steps before the canary prices at all
     cost: CostModelTuning = field(default_factory=CostModelTuning)
     calibration: CalibrationTuning = field(default_factory=CalibrationTuning)
     survival: SurvivalTuning = field(default_factory=SurvivalTuning)
