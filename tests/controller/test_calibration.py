@@ -51,3 +51,29 @@ def test_separable_outcomes_keep_parameters_bounded():
     assert (cal.alpha > 1).all()  # it did sharpen
     ece = cal.ece("calibrated")
     assert all(e is not None and e < 0.1 for e in ece), ece
+
+
+def test_a_position_without_outcomes_of_its_own_takes_the_nearest_shallower_fit():
+    """Verification stops at the first rejection, so the last positions may
+    never gather enough outcomes for a fit. Truth at positions 0-1:
+    sigmoid(z - 2) (the raw head, sigmoid(z), overconfident); every block
+    verifies only 2 of 4. Positions 2 and 3 take position 1's fit, not the
+    raw head; once position 2 has outcomes of its own, it keeps its own fit.
+    Seed 0, 400 steps x 16 requests."""
+    gen = torch.Generator().manual_seed(0)
+    cal = PositionCalibrator(4, CalibrationTuning(refit_every=20))
+
+    def run(steps, verified):
+        for _ in range(steps):
+            z = torch.randn(16, 4, generator=gen) + 2
+            passed = torch.rand(16, 4, generator=gen) < torch.sigmoid(z - 2)
+            accepted = passed.int().cumprod(1)[:, :verified].sum(1)
+            cal.observe(z, torch.full((16,), verified), accepted)
+
+    run(400, 2)
+    assert abs(float(cal.beta[1]) + 2) < 0.4  # fitted: about sigmoid(z - 2)
+    assert cal.alpha[2:].tolist() == [cal.alpha[1].item()] * 2 and cal.beta[2:].tolist() == [cal.beta[1].item()] * 2
+    z = torch.full((1, 4), 2.0)
+    assert float(cal.calibrate(z)[0, 3]) < 0.6 < float(torch.sigmoid(z)[0, 3])  # not the raw head's 0.88
+    run(400, 3)
+    assert float(cal.alpha[2]) != float(cal.alpha[1]) and cal.alpha[3].item() == cal.alpha[2].item()

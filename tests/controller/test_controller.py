@@ -826,7 +826,8 @@ def test_a_verdict_whose_lengths_cut_holds_and_its_lengths_are_asked():
     """Where the lengths verify fewer than the drafted tokens (here the last
     two positions' confidences are low), the verdict still holds for its
     batch, but every step asks the lengths; a probe's verdict (drafting does
-    not pay) holds for no step after it."""
+    not pay) holds for no step after it, nor does a step's walked deeper than
+    its verdict."""
     ctl = _skip_rule_ctl()
     step = _asking(ctl)
     assert step(1, last=-8.0) == (StepPlan("draft", 4), [2], ["rule", "lengths"])
@@ -837,11 +838,11 @@ def test_a_verdict_whose_lengths_cut_holds_and_its_lengths_are_asked():
     from vllm_dspark.controller.costs import StepCosts
     from vllm_dspark.controller.gate import DraftGate
 
-    def verdict_holds(net: float) -> bool:
+    def verdict_holds(net: float, once: bool = False) -> bool:
         """Does a drafting step at ``net`` (the drafting model untrusted: a probe every probe_every-th skip) hold?"""
         gate, costs, first = DraftGate(4, TUNING, None), StepCosts(4, TUNING), StepView(("a",), (), (), None, 1, 0, False)
         for _ in range(2 * TUNING.probe_every):  # to the first drafting step: at once, or the probe
-            if gate.cruises(first, lambda: True) or gate.drafts(net, 5e-3, 1, first, costs):
+            if gate.cruises(first, lambda: True) or gate.drafts(net, 5e-3, 1, first, costs, once=once):
                 break
         else:
             raise AssertionError("no step drafted")
@@ -849,6 +850,7 @@ def test_a_verdict_whose_lengths_cut_holds_and_its_lengths_are_asked():
         return gate.cruises(StepView(("a",), (), (), None, 5, 0, True), lambda: True)
 
     assert verdict_holds(1e-3) and not verdict_holds(-1e-3)
+    assert not verdict_holds(1e-3, once=True)  # a walk forced deeper than its verdict (survival.py)
 
 
 def test_walk_is_priced_only_once_measured_or_pinned():

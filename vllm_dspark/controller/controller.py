@@ -178,9 +178,9 @@ class DSparkController:
             counts = level_counts(self.ledger.zero_caps(requests.req_ids, requests.caps()), self.k)
             if counts[-1] < rows:
                 verdict = assessment.best(counts)
-        self.depth = self.k if self.acceptance.window.deep_stale(self.steps) else verdict.depth  # survival.py
+        self.depth = self.k if (deep := self.acceptance.window.deep_stale(self.steps)) else verdict.depth  # survival.py
         if gate.drafts(verdict.net, assessment.plain, contexts, self._view, self.costs, dormancy.exploring,
-                       dormancy.gaining(rows)):
+                       dormancy.gaining(rows), once=deep):
             return self._draft()
         return self._skip(counted=contexts > 0)  # for want of context: no verdict on drafting
 

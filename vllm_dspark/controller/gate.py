@@ -132,13 +132,17 @@ class DraftGate:
         self._skips_in_row += steps
 
     def drafts(self, net: float, plain: float, contexts: int, view: StepView, costs: StepCosts,
-               trial: bool = False, gaining: bool = False) -> bool:
+               trial: bool = False, gaining: bool = False, once: bool = False) -> bool:
         """Draft this step, given what drafting would save (``net``), a plain
         step's cost and how many requests have drafter context? On ``trial``
         (an exploring episode's first steps, dormancy.py) whatever ``net``
         says; where the budget measures the episode ``gaining``, as if it paid
         (the explore steps still run: a measured gain holds only while the
-        plain step it is judged against stays measured)."""
+        plain step it is judged against stays measured). ``once``: the step
+        walks deeper than the verdict (a whole walk that keeps the deep
+        positions measured: survival.py), so its verdict holds for no step
+        after it: held, each such walk ran 8 steps 7 deep, a quarter of all
+        steps at c=1 (Intel, capped fp32), where the verdict said 4-5."""
         pays = net > 0 or gaining
         self._since_skip += 1
         # Drafting is judged against the plain step, and no other model can
@@ -158,7 +162,7 @@ class DraftGate:
         probe = due >= 2 * probe_every or (due >= probe_every and not view.takes_prompts)
         if ((pays and not explore) or probe or trial) and contexts:
             self._skips_in_row = 0
-            self._pays = (pays and not explore) or trial
+            self._pays = ((pays and not explore) or trial) and not once
             return True
         self._skips_in_row = 0 if explore else self._skips_in_row + 1
         self._since_skip = 0
