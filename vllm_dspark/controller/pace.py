@@ -67,7 +67,7 @@ class MachinePace:
         self._ended = 0.0  # when it ended
         self._level: float | None = None  # the canaries' level (log, see tick)
         self._base: float | None = None  # its mean over about the steps the cost models remember
-        self._forgetting = tuning.cost.forgetting
+        self._forgetting, self._clip = tuning.cost.forgetting, tuning.pace_clip
         self._steps: deque[tuple[float, float]] = deque(maxlen=tuning.pace_window)  # per canary: steps' measured, predicted s
         self._measured = self._predicted = 0.0  # since the last canary
         self._fit = CanaryFit(tuning)
@@ -104,10 +104,10 @@ class MachinePace:
         shared, step = mine if self._share is None else self._share(mine)  # rank 0's: every rank spaces alike
         self._times.append(shared)
         now_s = median(self._times)
-        # The mean of the window's logs, each within 40% of its median: smoothed as the steps' are (below),
-        # a cold canary's stray reading (2-3x its median) cut.
-        mid = math.log(now_s)
-        level = sum(min(max(math.log(t), mid - 0.4), mid + 0.4) for t in self._times) / len(self._times)
+        # The mean of the window's logs, each within pace_clip of its median: smoothed as the steps' are
+        # (below), a cold canary's stray reading (2-3x its median) cut.
+        mid, clip = math.log(now_s), self._clip
+        level = sum(min(max(math.log(t), mid - clip), mid + clip) for t in self._times) / len(self._times)
         moved, self._level = (0.0 if self._level is None else level - self._level), level
         if self._base is not None and self._predicted > 0:
             self._steps.append((self._measured, self._predicted))

@@ -92,6 +92,7 @@ class ControllerTuning:
     pace_window: int = 9  # canaries in the median: more is steadier, slower to follow a spell
     pace_fit_decay: float = 0.98  # per canary, in the fit of canary against steps: ~50 canaries count
     pace_min_fits: int = 16  # canaries set against steps before the canary prices at all
+    pace_clip: float = 0.4  # log distance from the window's median a canary counts up to: a stray reading cut
     cost: CostModelTuning = field(default_factory=CostModelTuning)
     calibration: CalibrationTuning = field(default_factory=CalibrationTuning)
     survival: SurvivalTuning = field(default_factory=SurvivalTuning)
