@@ -845,9 +845,8 @@ def test_a_no_spec_price_from_a_slow_spell_follows_the_machine_back_up(paced):
         steps += 1
 
     for n in range(3000):  # spells the canary follows
-        slow = 1.8 if (n // 600) % 2 else 1.0
-        canary.seconds = 1e-4 * slow * math.exp(rng.gauss(0, 0.1))
-        step(StepSample(reqs, reqs, False, 0.005 * slow * math.exp(rng.gauss(0, 0.05)), 0.0, 0, plain=True))
+        canary.seconds = 1e-4 * _spells(n) * math.exp(rng.gauss(0, 0.1))
+        step(StepSample(reqs, reqs, False, 0.005 * _spells(n) * math.exp(rng.gauss(0, 0.05)), 0.0, 0, plain=True))
     assert pace.trust > 0.5 if paced else pace.trust == 0.0
     canary.seconds = 2e-4
     for _ in range(4 * TUNING.budget_warmup_steps):
