@@ -531,6 +531,15 @@ def test_snapshot_carries_the_step_s_load_as_json():
     assert load["running"] == 5 and load["waiting"] == 3 and load["max_running"] == 64
 
 
+def test_snapshot_shows_the_pace_the_budget_prices_at():
+    ctl = _skip_rule_ctl()
+    snap = ctl.snapshot()
+    assert (snap.pace_factor, snap.pace_trust) == (1.0, 0.0)  # no canary here
+    ctl.pace.factor, ctl.pace._fit.trust = 0.8, 0.5
+    snap = ctl.snapshot().to_json()
+    assert (snap["pace_factor"], snap["pace_trust"]) == (0.8, 0.5)
+
+
 def test_skip_rule_values_tokens_at_the_batch_about_to_run():
     """One running request: its drafts pay (about 4 tokens worth 5 ms each
     against 3.5 ms of drafting and verifying). With 63 prompts queued behind

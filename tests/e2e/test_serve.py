@@ -78,7 +78,8 @@ def test_serve_greedy_identical(server, identity_prompts, nospec_reference):
     for name in ("vllm_dspark:verify_budget_tokens_total", "vllm_dspark:verify_length_bucket",
                  'vllm_dspark:step_time_seconds{kind="predicted"}', "vllm_dspark:cost_model_error_percent",
                  "vllm_dspark:calibration_ece", "vllm_dspark:contextless_requests_total",
-                 "vllm_dspark:dormant", "vllm_dspark:plain_steps_total", "vllm_dspark:draft_depth_bucket"):
+                 "vllm_dspark:dormant", "vllm_dspark:plain_steps_total", "vllm_dspark:draft_depth_bucket",
+                 'vllm_dspark:machine_pace{kind="trust"}'):
         assert name in metrics, name
     assert server_metric(server, "vllm_dspark:verify_budget_tokens_total") > 0
 

@@ -64,6 +64,8 @@ class ControllerSnapshot:
     decode_cost_params: dict | None = None  # the same, decode steps only (its price of a decoded token)
     speculation_excess: float | None = None  # measured time speculation cost over none, share of the latter
     budget_balance_s: float = 0.0  # what exploring may still spend
+    pace_factor: float = 1.0  # the budget's prices now over the first canary's pace (pace.py)
+    pace_trust: float = 0.0  # how far the steps bear the canary out (0 to 1)
     calibration: dict | None = None  # per mode: alpha, beta, ECE raw and calibrated per position
     load: dict | None = None  # the last step's LoadSignals
 
@@ -154,7 +156,8 @@ class Telemetry:
             accepted_tokens=t.accepted_tokens, predicted_step_s=last.predicted_s, measured_step_s=last.measured_s,
             cost_model_mape=costs.mape(), calibration=acceptance.state(),
             load=load._asdict() if load else None, speculation_excess=budget.loss_share(),
-            budget_balance_s=budget.balance, **costs.params_json())
+            budget_balance_s=budget.balance, pace_factor=costs.pace.factor,
+            pace_trust=costs.pace.trust, **costs.params_json())
 
     def log(self, snapshot: ControllerSnapshot) -> None:
         from vllm_dspark.log import get_logger
