@@ -220,6 +220,42 @@ def test_no_episode_starts_at_a_batch_size_the_nospec_model_has_not_measured():
     assert steps <= TUNING.budget_warmup_steps
 
 
+def test_a_fresh_engine_s_first_requests_set_no_price():
+    """A fresh engine's first request runs slow (served at light load, its plain
+    steps took 1.6x the later ones': AMD EPYC Zen 4, bf16 capped at AVX2).
+    Priced from them, drafting steps that lost 15% measured as gains, and the
+    engine drafted for 2,000 steps at 0.8x no-spec. Until the requests of its
+    first step have finished, no plain step teaches a price; the steps after do,
+    and the same drafting step is charged as the loss it is."""
+    from vllm_dspark.controller.costs import StepCosts
+
+    costs, reqs, steady = StepCosts(7, TUNING), 1, 0.004
+    b = ExplorationBudget(costs.nospec, TUNING, costs.decode)
+
+    def plain(seconds: float, req: str) -> None:
+        costs.warm_up((req,))
+        s = StepSample(reqs, reqs, False, seconds, 0.0, 0, plain=True)
+        costs.observe(s)
+        b.settle(s)
+
+    for _ in range(48):  # the first request, longer than the budget's warm-up
+        plain(1.6 * steady, "first")
+    assert not b.ready
+    for _ in range(TUNING.budget_warmup_steps):
+        plain(steady, "second")
+    assert b.ready
+    assert costs.decode.params.predict(reqs, reqs) == pytest.approx(steady, rel=0.02)
+    # Drafting at one request: 9.5 ms for its token and one accepted draft, where two plain steps take 8 ms.
+    b.settle(StepSample(reqs, 4, True, 0.0095, 0.0034, 1, plain=False, draft_tokens=3, accepted=1))
+    assert b.excess == pytest.approx(0.0095 - 2 * steady, rel=0.05)
+    # A first request that never ends holds the warm-up for price_warmup_steps plain steps at most.
+    lone = StepCosts(7, TUNING)
+    for _ in range(TUNING.price_warmup_steps + 1):
+        lone.warm_up(("only",))
+        lone.observe(StepSample(reqs, reqs, False, steady, 0.0, 0, plain=True))
+    assert lone.decode.observations == 1
+
+
 def test_decode_steps_are_priced_by_plain_decode_steps_alone():
     """The nospec model fits prompt and decode steps with one line in B, and
     prompt steps are not linear (attention over the prompt, here quadratic);
@@ -229,7 +265,7 @@ def test_decode_steps_are_priced_by_plain_decode_steps_alone():
     model of plain decode steps alone."""
     from vllm_dspark.controller.costs import StepCosts
 
-    costs, reqs, step = StepCosts(7, TUNING), 4, 0.0064
+    costs, reqs, step = StepCosts(7, ControllerTuning(price_warmup_steps=0)), 4, 0.0064
     for wave in range(12):
         prompt = reqs * (30 + 10 * (wave % 6))
         costs.observe(StepSample(reqs, prompt, False, 0.006 + 1e-6 * prompt ** 2, 0.0, 0, plain=True))
@@ -664,7 +700,7 @@ def test_a_no_spec_price_fades_while_speculating_and_plain_steps_measure_it_anew
     few plain steps price the step afresh, against which the same steps lose."""
     from vllm_dspark.controller.costs import StepCosts
 
-    costs, reqs, slow, fast = StepCosts(7, TUNING), 4, 0.0095, 0.005
+    costs, reqs, slow, fast = StepCosts(7, ControllerTuning(price_warmup_steps=0)), 4, 0.0095, 0.005
     b = ExplorationBudget(costs.nospec, TUNING, costs.decode)
 
     def step(s: StepSample) -> None:

@@ -223,8 +223,9 @@ def test_dormant_plain_steps_train_the_models_one_in_every_few():
     _fund(dormant)
     assert len(run(awake, n)) == n - 1  # the last step is recorded at the next start
     assert len(run(dormant, n + 1)) == n // every and dormant.steps == n  # the last one counts at the next start
-    # Until the budget can price steps (its nospec model is learning), every plain step is.
-    assert cold.dormancy.dormant and TUNING.budget_warmup_steps <= len(run(cold, n)) < n - 1
+    # Until the budget can price steps (its nospec model is warming up, then learning), every plain step is.
+    warm = TUNING.price_warmup_steps + TUNING.budget_warmup_steps
+    assert cold.dormancy.dormant and warm <= len(run(cold, warm + n)) < warm + n - 1
     assert cold.budget.ready
     assert run(verifying, n, verifies=True) == [True] * (n - 1)
     assert every > 1

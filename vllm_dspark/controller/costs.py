@@ -9,7 +9,10 @@
   decode  T_none(R, R)   the same, decode steps only (B = R): the budget's price
                          of a decoded token. Fitted beside prompt steps, a line
                          in B put a 4-request decode step 25-30% above its time.
-                         Both learn in the machine's pace units (pace.py).
+                         Both learn in the machine's pace units (pace.py), and
+                         neither while a fresh engine serves its first requests
+                         (warm_up): it runs slow then, and a price set there
+                         made drafting steps that lost look like gains.
 
 The engine runs mostly one kind of target step at a time, so when the load
 moves, the model of the other kind extrapolates in R from another batch size
@@ -20,6 +23,7 @@ plus or minus the verify path's measured overhead (an EMA over plain steps).
 
 import threading
 from collections import deque
+from collections.abc import Collection
 from pathlib import Path
 from typing import NamedTuple
 
@@ -59,6 +63,8 @@ class StepCosts:
         self._errors: deque[float] = deque(maxlen=tuning.cost.error_window)  # whole-step prediction error
         self._alone = False  # a user's pinned curve decides alone: margin()
         self._shapes: set[tuple[int, int]] = set()  # step shapes run so far: first_run
+        self._warming = tuning.price_warmup_steps  # plain steps the warm-up may still take (warm_up)
+        self._first: frozenset[str] | None = None  # the engine's first requests (warm_up)
         self._writer: threading.Thread | None = None  # the last save's (save)
 
     def pin(self, curve: CostCurve, source: str, alone: bool = False) -> None:
@@ -178,8 +184,25 @@ class StepCosts:
             self.pace.observe(s.seconds, predicted)  # how far the canary is borne out (pace.py)
         return predicted
 
+    def warm_up(self, req_ids: Collection[str]) -> None:
+        """A step of these requests starts. A fresh engine warms up until the
+        requests of its first step have all finished (or ``price_warmup_steps``
+        plain steps have run): served at light load, its first request's plain
+        steps took 1.6x the later ones' (AMD EPYC Zen 4, bf16 capped at AVX2),
+        however many steps it ran, and priced from them, drafting that lost 15%
+        measured as a 30% gain (docs/tuning.md)."""
+        if self._warming and req_ids:
+            if self._first is None:
+                self._first = frozenset(req_ids)
+            elif self._first.isdisjoint(req_ids):
+                self._warming = 0
+
     def observe_plain(self, reqs: int, tokens: int, seconds: float) -> None:
-        """A step run without speculation (or the mean of a coasting run's: coasting.py)."""
+        """A step run without speculation (or the mean of a coasting run's:
+        coasting.py); while the engine warms up (warm_up), it teaches nothing."""
+        if self._warming > 0:
+            self._warming -= 1
+            return
         seconds /= self.pace.factor
         self.nospec.observe(reqs, tokens, seconds)
         if tokens == reqs:

@@ -83,6 +83,7 @@ class ControllerTuning:
     budget_cap_steps: float = 64.0  # the most the balance holds, in plain steps: full, it re-tests a no-draft verdict
     episode_tokens: float = 32.0  # decoded tokens' worth the balance must hold before a speculating episode starts
     budget_warmup_steps: int = 8  # plain steps the nospec model sees before steps are priced
+    price_warmup_steps: int = 256  # the most plain steps a fresh engine's first requests keep out of the nospec models
     budget_unpriced_steps: int = 16  # speculating steps in a row at an unmeasured batch size that end an episode
     budget_price_age_steps: int = 2048  # speculating steps a no-spec price holds: longer risks drift, shorter costs context
     trial_steps: int = 32  # drafting steps an exploring episode takes whatever the models say: what it learns from

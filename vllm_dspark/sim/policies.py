@@ -73,8 +73,10 @@ class ControllerPolicy(Policy):
                  acceptance: AcceptanceModel | None = None, stale: bool = False):
         self.name, self.stale, self.curve = name, stale, curve
         self._now = 0.0
+        # A curve has no warm-up (costs.warm_up): every plain step prices.
         self.ctl = DSparkController(DSparkKnobs(persist_cost_model=False, **knobs), block_len,
-                                    acceptance=acceptance, plain_steps=True, now=lambda: self._now)
+                                    tuning=ControllerTuning(price_warmup_steps=0), acceptance=acceptance,
+                                    plain_steps=True, now=lambda: self._now)
         if pinned is not None:
             self.ctl.costs.pin(pinned, pinned.name)
         self._live: set[str] = set()
