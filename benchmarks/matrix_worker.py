@@ -236,6 +236,8 @@ def run_soak(job: dict, prompts: list[str]) -> tuple[dict, dict]:
                 detail.setdefault(name, []).append({"wall_s": wall, "tokens_per_s": got[name],
                                                     "preemptions": preemptions(res),
                                                     "kv_capacity_tokens": kv_capacity_tokens(llm)})
+                if name != NS:  # what the controller did, so far (its totals are cumulative)
+                    detail[name][-1]["controller"] = llm.collective_rpc("dspark_snapshot")[0]
                 print(f"[matrix] soak round {r + 1} {name}: {got[name]:.0f} tok/s, {wall:.1f} s, "
                       f"{detail[name][-1]['preemptions']} preemptions, lengths {'ok' if ok else 'WRONG'}",
                       flush=True)
