@@ -20,7 +20,8 @@ step's price. A verifying decode step at more requests than the last priced
 one is charged from above, against that price (a burst of arrivals), and
 never as a gain either.
 
-Once ``budget_warmup_steps`` plain steps were seen, the first decode step
+Once ``budget_warmup_steps`` plain steps were seen (after the engine's
+warm-up, which teaches no price: costs.py), the first decode step
 priced at each batch size (a power of two) lifts the balance to one episode's
 reserve there (a fresh engine, or one under a new load, explores at once:
 a reserve is in decoded tokens, dearer at fewer requests; a grant, not an
