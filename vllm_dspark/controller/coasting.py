@@ -109,9 +109,7 @@ class Coasting:
         return n
 
     def timed(self, span: float, view: StepView) -> None:
-        """The clock's span over the run just booked, ``view`` the step after it
-        (which the nospec models' warm-up also reads: costs.py)."""
-        self._costs.warm_up(view.req_ids)
+        """The clock's span over the run just booked, ``view`` the step after it."""
         if self._booked is not None and span > 0 and not view.new_req_ids:
             reqs, tokens, n = self._booked
             self._costs.observe_plain(reqs, tokens, span / n)

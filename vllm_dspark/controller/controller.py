@@ -73,12 +73,12 @@ class DSparkController:
 
     # -- the step, in order -------------------------------------------------
     def begin_step(self, view: StepView) -> StepPlan | None:
-        """A step starts. Returns the plan at once when it runs as vLLM's step
-        without speculation; else None (the plan comes from ``plan``)."""
+        """A step starts. The plan at once if it runs as vLLM's plain step; else None (``plan`` gives it)."""
         due, self.coasting.due = self.coasting.due, None
         self._count(self.coasting.book())
         self._record(self.clock.begin())
         self.clock.exclude(self.pace.tick(self.steps))
+        self.costs.warm_up(view.req_ids)
         self.coasting.timed(self.clock.span, view)
         self._view, self._gained = view, (0, 0, 0.0)
         self.ledger.forget(view.finished_req_ids)
