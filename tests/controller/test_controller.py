@@ -434,6 +434,41 @@ def test_the_nospec_models_learn_what_coasting_steps_cost_not_only_the_rule_s_st
     assert ctl.costs.nospec.params.predict(2, 2) < 4.4e-3
 
 
+def test_a_fresh_engine_s_warm_up_steps_coast():
+    """A fresh engine starts dormant and warms up until its first requests
+    have finished (costs.warm_up): those steps teach no price, so between the
+    rule's checks they coast like any dormant plain steps (recorded one by
+    one, each cost about 0.2 ms more than vLLM's step at 16 requests, and at
+    16 requests the whole of a 2,048-token cold start is the warm-up). Once
+    the first requests are gone, the plain steps are timed and priced (here
+    4 ms, where the warm-up's ran 8 ms) and dormant ones coast again."""
+    t = [0.0]
+    ctl = DSparkController(DSparkKnobs(persist_cost_model=False), block_len=4, plain_steps=True, now=lambda: t[0])
+    assert ctl.dormancy.dormant and not ctl.budget.ready  # cold
+
+    def wave(reqs, n, seconds):
+        coasted = []
+        for i in range(n):
+            v = _view(reqs, new=reqs if i == 0 else ())
+            coasted.append(bool(ctl.coasts(v.req_ids, bool(v.new_req_ids), v.verifies, v.finished_req_ids,
+                                           v.tokens)))
+            if not coasted[-1]:
+                ctl.begin_step(v)
+            t[0] += seconds
+            if not coasted[-1]:
+                ctl.end_step(StepTiming())
+        return coasted
+
+    n = 16 * TUNING.dormant_recheck_every
+    first = wave(("a", "b"), n, 8e-3)
+    assert ctl.costs.warming and not ctl.budget.ready
+    assert sum(first) >= n - n // TUNING.dormant_recheck_every - 2  # all but the first step and the rule's
+    second = wave(("c", "d"), n, 4e-3)
+    assert not ctl.costs.warming and ctl.budget.ready
+    assert ctl.costs.decode.params.predict(2, 2) == pytest.approx(4e-3, rel=0.05)
+    assert sum(second[n // 2:]) >= n // 2 - n // TUNING.dormant_recheck_every  # coasting again once priced
+
+
 def test_plain_cost_at_an_unseen_batch_size_comes_from_the_verify_model():
     """Plain steps seen only at R=4 cannot tell t0 from t_req; at R=16 the
     plain cost is the verify-step model (which has seen R=16) minus the verify

@@ -5,8 +5,10 @@ nothing verified) between the rule's checks (``dormant_recheck_every``,
 dormancy.py) only needs counting; so does one awake in which no request
 keeps drafter context (a batch admitted dormant runs plain to its end
 whatever the engine decides meanwhile: checked and recorded on every step,
-its steps cost 200 us more than vLLM's at 16 requests, 4% of a step). The
-runner asks ``coasts`` before the step
+its steps cost 200 us more than vLLM's at 16 requests, 4% of a step); and
+so does one of a fresh engine's warm-up (costs.warm_up: its steps teach no
+price, and the budget, which cannot price yet, would keep every one of them
+recorded). The runner asks ``coasts`` before the step
 and, where it does, runs vLLM's step without speculation and calls nothing
 else of the controller: the step is not timed, recorded or checked, and at
 the next step that does not coast, the coasted steps are booked at once
@@ -71,7 +73,8 @@ class Coasting:
             dormancy.cheap_skipped(fast)
         # Awake, a step coasts where no request keeps context: asked after the cheap checks (a
         # drafting step is not plain_before, and this walks the batch).
-        plain = self.enabled and plain_before and self._budget.ready and not (admits or verifies)
+        plain = (self.enabled and plain_before and (self._budget.ready or self._costs.warming)
+                 and not (admits or verifies))
         contextless = plain and not dormancy.dormant and self._ledger.all_without(req_ids)
         if not (plain and (dormancy.dormant or contextless)):
             self.due = None
@@ -112,7 +115,7 @@ class Coasting:
         """The clock's span over the run just booked, ``view`` the step after it."""
         if self._booked is not None and span > 0 and not view.new_req_ids:
             reqs, tokens, n = self._booked
-            self._costs.observe_plain(reqs, tokens, span / n)
+            self._costs.observe_plain(reqs, tokens, span / n, n)
         self._booked = None
 
     def ran(self, view: StepView) -> None:

@@ -197,11 +197,16 @@ class StepCosts:
             elif self._first.isdisjoint(req_ids):
                 self._warming = 0
 
-    def observe_plain(self, reqs: int, tokens: int, seconds: float) -> None:
-        """A step run without speculation (or the mean of a coasting run's:
-        coasting.py); while the engine warms up (warm_up), it teaches nothing."""
+    @property
+    def warming(self) -> bool:
+        """The engine warms up (warm_up): its plain steps teach nothing."""
+        return self._warming > 0
+
+    def observe_plain(self, reqs: int, tokens: int, seconds: float, steps: int = 1) -> None:
+        """A step run without speculation (or the mean of a coasting run of
+        ``steps``: coasting.py); while the engine warms up (warm_up), it teaches nothing."""
         if self._warming > 0:
-            self._warming -= 1
+            self._warming = max(self._warming - steps, 0)
             return
         seconds /= self.pace.factor
         self.nospec.observe(reqs, tokens, seconds)
