@@ -411,6 +411,8 @@ def test_dormant_steps_run_without_speculation_and_leave_no_context():
         skips = ctl._skips
         ctl._skips = lambda rows, requests, *due: rules.append((rows, requests)) or skips(rows, requests, *due)
         ctl.dormancy.wake()  # a fresh controller starts dormant (its exploration budget)
+        for first in (("w",), ("v",)):  # and warms up (its warm-up steps would coast): over
+            ctl.costs.warm_up(first)
         step(new=["a", "b"])  # not dormant: the speculative paths, context kept
         ctl.dormancy.dormant = True
         step(spec_tokens={"a": [5]})  # drafts scheduled before dormancy: still verified
