@@ -205,7 +205,7 @@ class StepCosts:
     def observe_plain(self, reqs: int, tokens: int, seconds: float, steps: int = 1) -> None:
         """A step run without speculation (or the mean of a coasting run of
         ``steps``: coasting.py); while the engine warms up (warm_up), it teaches nothing."""
-        if self._warming > 0:
+        if self.warming:
             self._warming = max(self._warming - steps, 0)
             return
         seconds /= self.pace.factor
