@@ -4,6 +4,7 @@ against no speculation.
 
     python benchmarks/bench_cold_start.py                      # c = 1, 4, 16; 6 pairs each, ~18 min
     python benchmarks/bench_cold_start.py --concurrency 1 --pairs 6 --dtype float32
+    python benchmarks/bench_cold_start.py --concurrency 16 --pairs 12 --add   # pool with --out's pairs
 
 Per pair, a fresh no-spec engine and a fresh adaptive DSpark engine (each with
 an empty cost cache, in the order ABBA across pairs) each generate waves of c
@@ -11,7 +12,9 @@ greedy requests of --max-tokens until --tokens are out. The clock starts at
 the first request (engine start-up is not counted, for either arm) and covers
 every one-time cost after it: vLLM's first shapes, the drafter's first calls,
 the controller's first episode. The figure is adaptive / no-spec tok/s per
-pair; the verdict wants the pooled median at least 0.95. Integrity: every
+pair; the verdict wants the pooled median at least 0.95. With --add, the
+pairs already in --out (same dtype and token counts; each keeps the commit
+it ran at) pool with the new ones. Integrity: every
 request's length, and greedy identity of adaptive's outputs against no-spec's
 in the same pair (counted: in bf16 near-ties may part). Writes JSON (machine,
 versions, every engine's run and the adaptive controller's totals) and a PNG.
@@ -114,6 +117,25 @@ def plot(record: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def earlier_pairs(args) -> dict[int, list[dict]]:
+    """--out's pairs per concurrency, each with the commit it ran at; an error
+    where its settings differ from these (pooling them would mix figures)."""
+    import json
+
+    if not args.out.exists():
+        return {}
+    old = json.loads(args.out.read_text())
+    mine = {"dtype": args.dtype, "tokens": args.tokens, "max_tokens": args.max_tokens}
+    theirs = {k: old.get(k) for k in mine}
+    if theirs != mine:
+        raise SystemExit(f"--add: {args.out} was run with {theirs}, not {mine}; pass those, or another --out")
+    from vllm_dspark.benchmarking import _provenance_path
+
+    prov = _provenance_path(args.out)
+    commit = json.loads(prov.read_text()).get("commit") if prov.exists() else None
+    return {row["c"]: [{"commit": commit, **p} for p in row["pairs"]] for row in old["concurrency"]}
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
@@ -122,15 +144,18 @@ def main(argv=None) -> dict:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "latest" / "cold_start.json")
+    ap.add_argument("--add", action="store_true", help="pool with the pairs already in --out (see above)")
     args = ap.parse_args(argv)
-    from vllm_dspark.benchmarking import write_record
+    from vllm_dspark.benchmarking import head_commit, write_record
     from vllm_dspark.fingerprint import machine_info
     from vllm_dspark.training.prompts import load_prompts
 
     prompts = [p["text"] for p in load_prompts()]
+    earlier = earlier_pairs(args) if args.add else {}
+    commit = head_commit()
     t0, rows = time.time(), []
     for c in args.concurrency:
-        pairs = [pair(c, p, prompts, args) for p in range(args.pairs)]
+        pairs = earlier.get(c, []) + [{**pair(c, p, prompts, args), "commit": commit} for p in range(args.pairs)]
         rows.append({"c": c, "pairs": pairs, "summary": summarize(pairs)})
         s = rows[-1]["summary"]
         print(f"[cold] c={c}: adaptive / no-spec {s['median']:.3f} (90% {s['interval90'][0]:.2f}-"
