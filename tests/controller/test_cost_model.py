@@ -73,6 +73,20 @@ def test_covers_a_batch_size_class_seen_lately_outside_the_window_of_the_mean():
     assert not m.covers(1, 1)
 
 
+def test_a_run_of_steps_weighs_as_that_many_steps():
+    """A coasting run's mean step (observe with ``steps``) counts as its
+    steps: between runs of 8 plain steps at 4 ms, one step in 9 at 6 ms (the
+    rule's, or a fresh engine's slow start) moves the price by its share, 4.2
+    ms, not to the middle of the two, 5 ms, as it did weighed one to one."""
+    weighed, flat = OnlineCostModel(), OnlineCostModel()
+    for _ in range(40):
+        for m, steps in ((weighed, 8), (flat, 1)):
+            m.observe(1, 1, 6e-3)
+            m.observe(1, 1, 4e-3, steps)
+    assert weighed.params.predict(1, 1) == pytest.approx((6e-3 + 8 * 4e-3) / 9, rel=0.03)
+    assert flat.params.predict(1, 1) == pytest.approx(5e-3, rel=0.03)
+
+
 def test_ignores_stalls():
     gen = torch.Generator().manual_seed(2)
     m = OnlineCostModel()

@@ -83,9 +83,10 @@ class OnlineCostModel:
         the user measured; see cost_curve.py). Errors are still tracked."""
         self._params, self.pinned, self.path, self.loaded_from = params, True, None, source
 
-    def observe(self, num_reqs: int, num_tokens: int, seconds: float) -> float:
-        """Record one measured step; returns the relative error of the
-        prediction made before seeing it."""
+    def observe(self, num_reqs: int, num_tokens: int, seconds: float, steps: int = 1) -> float:
+        """Record one measured step, or the mean ``seconds`` of ``steps`` alike
+        run back to back (weighed as that many: older steps fade by as many);
+        returns the relative error of the prediction made before seeing it."""
         pred = self.params.predict(num_reqs, num_tokens)
         rel_err = abs(pred - seconds) / max(seconds, 1e-9)
         self.errors.append(rel_err)
@@ -94,19 +95,20 @@ class OnlineCostModel:
             return rel_err
         scale = self._scale
         x = (1.0 / scale[0], num_reqs / scale[1], num_tokens / scale[2])
-        lam, self.idle = tuning.forgetting ** (1 + self.idle), 0
+        lam, self.idle = tuning.forgetting ** (steps + self.idle), 0
         seen = self._seen
         for key in list(seen):
             seen[key] *= lam
             if seen[key] < 1e-3:
                 del seen[key]
         key = (num_reqs.bit_length(), num_tokens.bit_length())
-        seen[key] = seen.get(key, 0.0) + 1.0
+        seen[key] = seen.get(key, 0.0) + steps
         for row, xi in zip(self.xtx, x):  # in place: three of these run every step
+            xi *= steps
             row[0] = lam * row[0] + xi * x[0]
             row[1] = lam * row[1] + xi * x[1]
             row[2] = lam * row[2] + xi * x[2]
-        self.xty = [lam * y + xi * seconds for y, xi in zip(self.xty, x)]
+        self.xty = [lam * y + steps * xi * seconds for y, xi in zip(self.xty, x)]
         self.observations += 1
         # Refit every step while the statistics are light (young, or faded: fade).
         if self.xtx[0][0] <= tuning.refit_warmup or self.observations % tuning.refit_every == 0:
