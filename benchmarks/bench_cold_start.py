@@ -129,10 +129,9 @@ def earlier_pairs(args) -> dict[int, list[dict]]:
     theirs = {k: old.get(k) for k in mine}
     if theirs != mine:
         raise SystemExit(f"--add: {args.out} was run with {theirs}, not {mine}; pass those, or another --out")
-    from vllm_dspark.benchmarking import _provenance_path
+    from vllm_dspark.benchmarking import record_commit
 
-    prov = _provenance_path(args.out)
-    commit = json.loads(prov.read_text()).get("commit") if prov.exists() else None
+    commit = record_commit(args.out)
     return {row["c"]: [{"commit": commit, **p} for p in row["pairs"]] for row in old["concurrency"]}
 
 

@@ -350,7 +350,8 @@ def estimate_s(args, regime: str, workload: str) -> float:
 
 def main(argv=None) -> dict:
     argv = sys.argv[1:] if argv is None else list(argv)
-    from vllm_dspark.benchmarking import LATEST, TINY_DRAFTER, TINY_TARGET, archive, head_commit, write_record
+    from vllm_dspark.benchmarking import (LATEST, TINY_DRAFTER, TINY_TARGET, archive, head_commit, record_commit,
+                                          write_record)
     from vllm_dspark.fingerprint import machine_info
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -406,8 +407,7 @@ def main(argv=None) -> dict:
     if args.dry_run:
         return record
     if args.out.exists() and args.out.parent.resolve() == LATEST.resolve():
-        prov = args.out.with_name(args.out.stem + ".provenance.json")
-        old = json.loads(prov.read_text()).get("commit") if prov.exists() else record.get("checkpoint_of")
+        old = record_commit(args.out, record.get("checkpoint_of"))
         if old != head_commit():
             archive(args.out)  # another commit's record goes to history/; its cells stay in the merge
     work, t_all = Path(tempfile.mkdtemp(prefix="dspark_matrix_")), time.time()

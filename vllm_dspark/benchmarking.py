@@ -304,16 +304,22 @@ def _provenance_path(out: Path) -> Path:
     return out.with_name(out.stem + ".provenance.json")
 
 
-def archive(out: Path) -> None:
-    """Move the run at ``out`` (JSON, PNG, provenance) to history/<its commit>/."""
+def record_commit(out: Path, missing: str | None = None) -> str | None:
+    """The commit the record at ``out`` ran at, from its provenance (``missing`` where it has none)."""
     import json
 
+    prov = _provenance_path(out)
+    return json.loads(prov.read_text()).get("commit") if prov.exists() else missing
+
+
+def archive(out: Path) -> None:
+    """Move the run at ``out`` (JSON, PNG, provenance) to history/<its commit>/."""
     if not out.exists():
         return
     prov = _provenance_path(out)
     try:
-        commit = json.loads(prov.read_text())["commit"]
-    except (OSError, ValueError, KeyError):
+        commit = record_commit(out) or "unknown"
+    except (OSError, ValueError):
         commit = "unknown"
     dest = RESULTS / "history" / commit
     dest.mkdir(parents=True, exist_ok=True)
