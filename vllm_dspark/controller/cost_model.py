@@ -103,12 +103,12 @@ class OnlineCostModel:
                 del seen[key]
         key = (num_reqs.bit_length(), num_tokens.bit_length())
         seen[key] = seen.get(key, 0.0) + steps
-        for row, xi in zip(self.xtx, x):  # in place: three of these run every step
-            xi *= steps
-            row[0] = lam * row[0] + xi * x[0]
-            row[1] = lam * row[1] + xi * x[1]
-            row[2] = lam * row[2] + xi * x[2]
-        self.xty = [lam * y + steps * xi * seconds for y, xi in zip(self.xty, x)]
+        wx = (steps * x[0], steps * x[1], steps * x[2])  # the run weighs as its steps
+        for row, wi in zip(self.xtx, wx):  # in place: three of these run every step
+            row[0] = lam * row[0] + wi * x[0]
+            row[1] = lam * row[1] + wi * x[1]
+            row[2] = lam * row[2] + wi * x[2]
+        self.xty = [lam * y + wi * seconds for y, wi in zip(self.xty, wx)]
         self.observations += 1
         # Refit every step while the statistics are light (young, or faded: fade).
         if self.xtx[0][0] <= tuning.refit_warmup or self.observations % tuning.refit_every == 0:

@@ -204,12 +204,10 @@ class StepCosts:
 
     def observe_plain(self, reqs: int, tokens: int, seconds: float, steps: int = 1) -> None:
         """A step run without speculation (or the mean of a coasting run of
-        ``steps``: coasting.py, weighed as that many steps); while the engine
-        warms up (warm_up), it teaches nothing. Weighed as one, a run counted
-        no more than each of the rule's steps between runs (about 10% dearer,
-        coasting.py) or a fresh engine's slow early steps: on a Zen 4 host
-        capped at AVX2 (bf16, one request) the price then stood at 1.35x the
-        engine's plain step and drafting that lost 15% was booked as a 17% gain."""
+        ``steps``: coasting.py, weighed as that many steps, so the rule's dearer
+        steps between runs and a fresh engine's slow early ones count at their
+        share: docs/controller.md); while the engine warms up (warm_up), it
+        teaches nothing."""
         if self.warming:
             self._warming = max(self._warming - steps, 0)
             return
