@@ -7,14 +7,19 @@ against no speculation.
     python benchmarks/bench_cold_start.py --concurrency 16 --pairs 12 --add   # pool with --out's pairs
 
 Per pair, a fresh no-spec engine and a fresh adaptive DSpark engine (each with
-an empty cost cache, in the order ABBA across pairs) each generate waves of c
-greedy requests of --max-tokens until --tokens are out. The clock starts at
-the first request (engine start-up is not counted, for either arm) and covers
-every one-time cost after it: vLLM's first shapes, the drafter's first calls,
-the controller's first episode. The figure is adaptive / no-spec tok/s per
+an empty cost cache, started in the order ABBA across pairs) each generate
+waves of c greedy requests of --max-tokens until --tokens are out. Both
+engines are up at once and take turns wave by wave (ABBA), so both see the
+same spells of a shared machine: on a KVM guest a fresh no-spec engine's
+speed moved by up to 1.7x between runs minutes apart, while two live
+no-spec engines taking turns stayed within 5% of each other
+(docs/benchmarks.md); run one after the other, a pair measured that drift. An engine's clock runs only over its own waves, from its first
+request (engine start-up is not counted, for either arm) and covers every
+one-time cost after it: vLLM's first shapes, the drafter's first calls, the
+controller's first episode. The figure is adaptive / no-spec tok/s per
 pair; the verdict wants the pooled median at least 0.95. With --add, the
-pairs already in --out (same dtype and token counts; each keeps the commit
-it ran at) pool with the new ones. Integrity: every
+pairs already in --out (same dtype, token counts and schedule; each keeps
+the commit it ran at) pool with the new ones. Integrity: every
 request's length, and greedy identity of adaptive's outputs against no-spec's
 in the same pair (counted: in bf16 near-ties may part). Writes JSON (machine,
 versions, every engine's run and the adaptive controller's totals) and a PNG.
@@ -38,41 +43,53 @@ BOUND = 0.95
 ARMS = ("nospec", "adaptive")
 
 
-def fresh_run(arm: str, c: int, prompts: list[str], args) -> dict:
-    """One fresh engine of ``arm``: its first --tokens generated tokens, timed."""
-    from vllm import SamplingParams
+SCHEDULE = "interleaved"  # the arms take turns wave by wave; records without this key ran one after the other
 
-    from vllm_dspark.benchmarking import TINY_DRAFTER, TINY_TARGET, start_engine, stop_engine
 
-    os.environ["VLLM_DSPARK_CACHE_DIR"] = tempfile.mkdtemp(prefix="dspark_cold_")  # nothing persisted
+def fresh_engine(arm: str, c: int, args):
+    """A fresh engine of ``arm``, with nothing persisted."""
+    from vllm_dspark.benchmarking import TINY_DRAFTER, TINY_TARGET, start_engine
+
+    os.environ["VLLM_DSPARK_CACHE_DIR"] = tempfile.mkdtemp(prefix="dspark_cold_")  # read at engine start
     spec = None if arm == "nospec" else {"method": "dspark", "model": str(REPO / TINY_DRAFTER),
                                          "num_speculative_tokens": 7}
-    llm = start_engine(str(REPO / TINY_TARGET), c, spec=spec, dtype=args.dtype)
-    try:
-        params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
-        waves = math.ceil(args.tokens / (c * args.max_tokens))
-        outs, t0 = [], time.perf_counter()
-        for w in range(waves):
-            outs += llm.generate(prompts[w * c:(w + 1) * c], params, use_tqdm=False)
-        seconds = time.perf_counter() - t0
-        snap = llm.collective_rpc("dspark_snapshot")[0] if spec else None
-    finally:
-        stop_engine(llm)
-    ids = [list(o.outputs[0].token_ids) for o in outs]
-    run = {"arm": arm, "seconds": seconds, "tokens": sum(map(len, ids)), "requests": len(ids),
-           "lengths_ok": all(len(i) == args.max_tokens for i in ids), "ids": ids}
-    run["tokens_per_s"] = run["tokens"] / seconds
-    if snap is not None:
-        run["controller"] = {k: snap.get(k) for k in ("steps", "skipped_steps", "plain_steps", "depth_hist",
-                                                      "length_hist", "dormant", "speculation_excess")}
-    return run
+    return start_engine(str(REPO / TINY_TARGET), c, spec=spec, dtype=args.dtype)
 
 
 def pair(c: int, p: int, prompts: list[str], args) -> dict:
+    """Two fresh engines up at once, their first --tokens generated tokens
+    timed wave by wave, taking turns (ABBA)."""
+    from vllm import SamplingParams
+
+    from vllm_dspark.benchmarking import stop_engine
+
     order = ARMS if p % 2 == 0 else ARMS[::-1]
-    runs = {arm: fresh_run(arm, c, prompts, args) for arm in order}
+    engines = {}
+    try:
+        for arm in order:
+            engines[arm] = fresh_engine(arm, c, args)
+        params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+        seconds, ids = dict.fromkeys(ARMS, 0.0), {arm: [] for arm in ARMS}
+        for w in range(math.ceil(args.tokens / (c * args.max_tokens))):
+            for arm in (order if w % 2 == 0 else order[::-1]):
+                t0 = time.perf_counter()
+                outs = engines[arm].generate(prompts[w * c:(w + 1) * c], params, use_tqdm=False)
+                seconds[arm] += time.perf_counter() - t0
+                ids[arm] += [list(o.outputs[0].token_ids) for o in outs]
+        snap = engines["adaptive"].collective_rpc("dspark_snapshot")[0]
+    finally:
+        for llm in engines.values():
+            stop_engine(llm)
+    runs = {}
+    for arm in order:
+        tokens = sum(map(len, ids[arm]))
+        runs[arm] = {"arm": arm, "seconds": seconds[arm], "tokens": tokens, "requests": len(ids[arm]),
+                     "lengths_ok": all(len(i) == args.max_tokens for i in ids[arm]),
+                     "tokens_per_s": tokens / seconds[arm]}
+    runs["adaptive"]["controller"] = {k: snap.get(k) for k in ("steps", "skipped_steps", "plain_steps", "depth_hist",
+                                                               "length_hist", "dormant", "speculation_excess")}
     base, ad = runs["nospec"], runs["adaptive"]
-    same = sum(a == b for a, b in zip(ad.pop("ids"), base.pop("ids")))
+    same = sum(a == b for a, b in zip(ids["adaptive"], ids["nospec"]))
     out = {"order": list(order), "runs": runs, "ratio": ad["tokens_per_s"] / base["tokens_per_s"],
            "identical": [same, ad["requests"]]}
     print(f"[cold] c={c} pair {p + 1}/{args.pairs}: no-spec {base['tokens_per_s']:.0f} tok/s, adaptive "
@@ -109,7 +126,7 @@ def plot(record: dict, path: Path) -> None:
     ax.set_xticks(range(len(record["concurrency"])), [f"c={r['c']}" for r in record["concurrency"]])
     ax.set_ylabel(f"adaptive / no-spec, first {record['tokens']} tokens")
     m = record["machine"]
-    ax.set_title(f"cold start, fresh engines ({record['dtype']}): pairs, median and 90% interval\n"
+    ax.set_title(f"cold start, fresh engines taking turns ({record['dtype']}): pairs, median and 90% interval\n"
                  f"{m.get('cpu')} x{m.get('cores')}", fontsize=9)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
@@ -125,8 +142,8 @@ def earlier_pairs(args) -> dict[int, list[dict]]:
     if not args.out.exists():
         return {}
     old = json.loads(args.out.read_text())
-    mine = {"dtype": args.dtype, "tokens": args.tokens, "max_tokens": args.max_tokens}
-    theirs = {k: old.get(k) for k in mine}
+    mine = {"dtype": args.dtype, "tokens": args.tokens, "max_tokens": args.max_tokens, "schedule": SCHEDULE}
+    theirs = {k: old.get(k, "sequential" if k == "schedule" else None) for k in mine}
     if theirs != mine:
         raise SystemExit(f"--add: {args.out} was run with {theirs}, not {mine}; pass those, or another --out")
     from vllm_dspark.benchmarking import record_commit
@@ -161,7 +178,7 @@ def main(argv=None) -> dict:
               f"{s['interval90'][1]:.2f}) over {s['pairs']} pairs: {s['verdict']}", flush=True)
     record = {"command": " ".join(["python", "benchmarks/bench_cold_start.py", *(argv or sys.argv[1:])]),
               "machine": machine_info(), "dtype": args.dtype, "tokens": args.tokens, "max_tokens": args.max_tokens,
-              "bound": BOUND, "concurrency": rows, "wall_seconds": round(time.time() - t0, 1)}
+              "schedule": SCHEDULE, "bound": BOUND, "concurrency": rows, "wall_seconds": round(time.time() - t0, 1)}
     write_record(record, args.out, plot, "cold")
     return record
 

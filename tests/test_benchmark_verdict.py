@@ -146,7 +146,8 @@ def test_matrix_skips_the_capped_bf16_regime_on_an_amx_cpu():
 def test_cold_start_add_pools_earlier_pairs_with_their_commit(tmp_path):
     """--add keeps --out's pairs per concurrency, each tagged with the commit
     it ran at (its own tag where it has one), and refuses a record of other
-    settings rather than mixing figures."""
+    settings (a pair run one engine after the other included) rather than
+    mixing figures."""
     import json
     import sys
     from types import SimpleNamespace
@@ -158,8 +159,12 @@ def test_cold_start_add_pools_earlier_pairs_with_their_commit(tmp_path):
     args = SimpleNamespace(out=out, dtype="bfloat16", tokens=2000, max_tokens=128)
     assert earlier_pairs(args) == {}
     rows = [{"c": 16, "pairs": [{"ratio": 0.9}, {"ratio": 1.1, "commit": "old"}]}]
-    out.write_text(json.dumps({"dtype": "bfloat16", "tokens": 2000, "max_tokens": 128, "concurrency": rows}))
+    record = {"dtype": "bfloat16", "tokens": 2000, "max_tokens": 128, "concurrency": rows}
+    out.write_text(json.dumps({**record, "schedule": "interleaved"}))
     out.with_name("cold.provenance.json").write_text(json.dumps({"commit": "abc"}))
     assert earlier_pairs(args) == {16: [{"commit": "abc", "ratio": 0.9}, {"commit": "old", "ratio": 1.1}]}
     with pytest.raises(SystemExit, match="float32"):
         earlier_pairs(SimpleNamespace(**{**vars(args), "dtype": "float32"}))
+    out.write_text(json.dumps(record))  # a record from before the engines took turns: one after the other
+    with pytest.raises(SystemExit, match="sequential"):
+        earlier_pairs(args)
