@@ -72,7 +72,7 @@ def run_waves(job: dict, prompts: list[str]) -> tuple[dict, dict]:
 
     cs, mt, engines = job["concurrency"], job["max_tokens"], {}
     try:
-        for name in job["arms"]:
+        for name in rotate(job["arms"], job["run"]):  # started in turn: no arm is always the last process
             engines[name] = start_offline(name, job, max(cs), max(cs) * (PROMPT_TOKENS + mt + LOOKAHEAD))
         arms = measure_interleaved(engines, prompts, cs, mt, job["rounds"])
         duels = (run_head_to_head(engines, arms, prompts, mt, job["pairs"])
@@ -144,7 +144,7 @@ def run_serve(job: dict, prompts: list[str]) -> tuple[dict, dict]:
                                 for p in prompts[:n]]))
     servers, rounds, integ, texts, detail = {}, [], {}, {}, {}
     try:
-        for name in job["arms"]:
+        for name in rotate(job["arms"], job["run"]):
             servers[name] = start_server(name, job, work)
         for r in range(job["serve_rounds"]):
             got = {}
@@ -214,7 +214,7 @@ def run_soak(job: dict, prompts: list[str]) -> tuple[dict, dict]:
               for i in range(n)]
     engines, rounds, integ, detail, outs = {}, [], {}, {}, {}
     try:
-        for name in job["arms"]:
+        for name in rotate(job["arms"], job["run"]):
             engines[name] = start_offline(name, job, SOAK_C, kv_cache_memory_bytes=soak_kv_bytes(job, name),
                                           max_model_len=SOAK_MODEL_LEN)
             engines[name].generate(prompts[:4], SamplingParams(max_tokens=16, ignore_eos=True), use_tqdm=False)
