@@ -11,11 +11,12 @@ an empty cost cache, started in the order ABBA across pairs) each generate
 waves of c greedy requests of --max-tokens until --tokens are out. Both
 engines are up at once and take turns wave by wave (ABBA), so both see the
 same spells of a shared machine: on a KVM guest, trials of two live no-spec
-engines taking turns ran up to 1.2x apart minutes apart while the two
-engines of a trial stayed within 5% of each other (bench_engine_drift.py,
-docs/benchmarks.md); run one after the other, a pair measured that drift. An engine's clock runs only over its own waves, from its first
-request (engine start-up is not counted, for either arm) and covers every
-one-time cost after it: vLLM's first shapes, the drafter's first calls, the
+engines taking turns, minutes apart, differed in speed by up to 1.2x while
+the two engines of a trial stayed within 5% of each other (bench_engine_drift.py,
+docs/benchmarks.md); run one after the other, a pair measured that drift.
+An engine's clock runs only over its own waves, from its first request
+(engine start-up is not counted, for either arm), and covers every one-time
+cost after it: vLLM's first shapes, the drafter's first calls, the
 controller's first episode. The figure is adaptive / no-spec tok/s per
 pair; the verdict wants the pooled median at least 0.95. With --add, the
 pairs already in --out (same dtype, token counts and schedule; each keeps
