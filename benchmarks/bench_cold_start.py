@@ -62,7 +62,7 @@ def pair(c: int, p: int, prompts: list[str], args) -> dict:
     timed wave by wave, taking turns (ABBA)."""
     from vllm import SamplingParams
 
-    from vllm_dspark.benchmarking import stop_engine
+    from vllm_dspark.benchmarking import stop_engine, take_turns
 
     order = ARMS if p % 2 == 0 else ARMS[::-1]
     engines = {}
@@ -70,23 +70,19 @@ def pair(c: int, p: int, prompts: list[str], args) -> dict:
         for arm in order:
             engines[arm] = fresh_engine(arm, c, args)
         params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
-        seconds, ids = dict.fromkeys(ARMS, 0.0), {arm: [] for arm in ARMS}
-        for w in range(math.ceil(args.tokens / (c * args.max_tokens))):
-            for arm in (order if w % 2 == 0 else order[::-1]):
-                t0 = time.perf_counter()
-                outs = engines[arm].generate(prompts[w * c:(w + 1) * c], params, use_tqdm=False)
-                seconds[arm] += time.perf_counter() - t0
-                ids[arm] += [list(o.outputs[0].token_ids) for o in outs]
+        batches = [prompts[w * c:(w + 1) * c] for w in range(math.ceil(args.tokens / (c * args.max_tokens)))]
+        seconds, outs = take_turns([engines[arm] for arm in order], batches, params)
         snap = engines["adaptive"].collective_rpc("dspark_snapshot")[0]
     finally:
         for llm in engines.values():
             stop_engine(llm)
-    runs = {}
-    for arm in order:
+    runs, ids = {}, {}
+    for arm, secs, out in zip(order, seconds, outs):
+        ids[arm] = [list(o.outputs[0].token_ids) for o in out]
         tokens = sum(map(len, ids[arm]))
-        runs[arm] = {"arm": arm, "seconds": seconds[arm], "tokens": tokens, "requests": len(ids[arm]),
+        runs[arm] = {"arm": arm, "seconds": sum(secs), "tokens": tokens, "requests": len(ids[arm]),
                      "lengths_ok": all(len(i) == args.max_tokens for i in ids[arm]),
-                     "tokens_per_s": tokens / seconds[arm]}
+                     "tokens_per_s": tokens / sum(secs)}
     runs["adaptive"]["controller"] = {k: snap.get(k) for k in ("steps", "skipped_steps", "plain_steps", "depth_hist",
                                                                "length_hist", "dormant", "speculation_excess")}
     base, ad = runs["nospec"], runs["adaptive"]

@@ -30,19 +30,15 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 def trial(c: int, prompts: list[str], args) -> dict:
     from vllm import SamplingParams
 
-    from vllm_dspark.benchmarking import TINY_TARGET, start_engine, stop_engine
+    from vllm_dspark.benchmarking import TINY_TARGET, start_engine, stop_engine, take_turns
 
     engines = []
     try:
         for _ in range(2):
             engines.append(start_engine(str(REPO / TINY_TARGET), c, dtype=args.dtype))
         params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
-        seconds: list[list[float]] = [[], []]
-        for r in range(args.rounds):
-            for e in ((0, 1) if r % 2 == 0 else (1, 0)):
-                t0 = time.perf_counter()
-                engines[e].generate(prompts[(r * c) % len(prompts):][:c], params, use_tqdm=False)
-                seconds[e].append(time.perf_counter() - t0)
+        batches = [prompts[(r * c) % len(prompts):][:c] for r in range(args.rounds)]
+        seconds, _ = take_turns(engines, batches, params)
     finally:
         for llm in engines:
             stop_engine(llm)

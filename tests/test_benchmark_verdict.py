@@ -36,6 +36,25 @@ def test_head_to_head_alternates_order_and_keeps_each_engines_rate(monkeypatch):
     assert calls == ["a", "b", "b", "a", "a", "b", "b", "a"]  # every round measured
 
 
+def test_take_turns_alternates_order_and_keeps_each_engines_batches():
+    """Live engines take each batch in turn, ABBA (drift favours neither), and
+    each keeps its own outputs and one time per batch."""
+    calls = []
+
+    class Engine:
+        def __init__(self, name):
+            self.name = name
+
+        def generate(self, batch, params, use_tqdm):
+            calls.append(self.name)
+            return [f"{self.name}:{p}" for p in batch]
+
+    seconds, outputs = benchmarking.take_turns([Engine("a"), Engine("b")], [["p0"], ["p1"], ["p2", "p3"]], None)
+    assert calls == ["a", "b", "b", "a", "a", "b"]
+    assert outputs == [["a:p0", "a:p1", "a:p2", "a:p3"], ["b:p0", "b:p1", "b:p2", "b:p3"]]
+    assert [len(s) for s in seconds] == [3, 3] and all(t >= 0 for s in seconds for t in s)
+
+
 def _arms(adaptive_rounds, nospec_rounds):
     import statistics
 

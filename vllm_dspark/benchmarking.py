@@ -195,6 +195,22 @@ def measure_head_to_head(first, second, prompts: list[str], concurrency: int, ma
     return out
 
 
+def take_turns(engines: list, batches: list[list[str]], params) -> tuple[list[list[float]], list[list]]:
+    """Live engines generate each batch in turn, the order reversed every
+    batch (ABBA), so the machine's spells fall on every engine alike (run one
+    after the other, fresh engines measured the machine drifting over
+    minutes: ``bench_engine_drift.py``). Returns, per engine, the seconds of
+    each of its batches and its outputs."""
+    seconds: list[list[float]] = [[] for _ in engines]
+    outputs: list[list] = [[] for _ in engines]
+    for b, batch in enumerate(batches):
+        for e in (range(len(engines)) if b % 2 == 0 else reversed(range(len(engines)))):
+            t0 = time.perf_counter()
+            outputs[e] += engines[e].generate(batch, params, use_tqdm=False)
+            seconds[e].append(time.perf_counter() - t0)
+    return seconds, outputs
+
+
 def write_record(record: dict, out, plot, tag: str, argv: list[str] | None = None) -> None:
     """A benchmark's JSON at ``out``, ``plot(record, path)``'s PNG and a
     provenance JSON (commit, argv, versions, CPU model and flags) next to it.
