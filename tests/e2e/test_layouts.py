@@ -115,7 +115,7 @@ def test_k_below_the_block_with_a_reduced_vocabulary_stays_lossless(converted, r
     reduced vocabulary (so one sampled test covers both: the draft
     probabilities placed at target ids, from a shorter block): greedy output
     is no-spec's and sampled output follows the target (seed 0, 2,000
-    requests, chi-square at T=1, top-p 0.95, false-failure rate 0.001)."""
+    requests, chi-square at T=1, top-p 0.95, false-failure rate 2e-4)."""
     llm = make_llm(speculative_config={"method": "dspark", "model": str(converted["reduced"]),
                                        "num_speculative_tokens": 3},
                    additional_config={"dspark": {"policy": "full"}})
