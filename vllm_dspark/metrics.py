@@ -186,10 +186,12 @@ class DSparkCollector:
         yield GaugeMetricFamily(PREFIX + "dormant", "1 while requests are admitted without drafter context "
                                 "(drafting has not paid for a while), else 0.", value=float(snap.dormant))
         pace = GaugeMetricFamily(PREFIX + "machine_pace", "The exploration budget's step prices now over those "
-                                 "at the first pace reading (factor), and how far the steps bear its canary out "
-                                 "(trust, 0 to 1).", labels=["kind"])
+                                 "at the first pace reading (factor), how far the steps bear its canary out "
+                                 "(trust, 0 to 1), and how far the open episode's verify steps moved its "
+                                 "prices since it began (drift).", labels=["kind"])
         pace.add_metric(["factor"], snap.pace_factor)
         pace.add_metric(["trust"], snap.pace_trust)
+        pace.add_metric(["drift"], snap.price_drift)
         yield pace
         if snap.cost_model_mape is not None:
             yield GaugeMetricFamily(PREFIX + "cost_model_error_percent",

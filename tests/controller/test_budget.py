@@ -926,3 +926,68 @@ def test_a_reserve_granted_at_a_new_batch_size_earns_back_no_loss_at_another():
         assert steps < 10 ** 6
     # Earned back at the share: about the reserve lost at four requests over the share, in steps.
     assert steps >= 0.5 * TUNING.episode_tokens / 4 / TUNING.budget_share
+
+
+def _drifting_episode(speed, steps: int, follow: bool, seed: int):
+    """A c=1 episode priced from plain steps of 5 ms at pace 1: verify steps
+    of 1 + d tokens (d drafts, 1-7, seeded) take (8.5 + 0.3 d) ms of target and
+    1 ms of drafting at pace ``speed(n)``, 5% noise, saving one plain step
+    each. Returns the booked and the true excess of each step (the true one
+    priced at 5 ms x ``speed(n)``), the budget and its cost models."""
+    import random
+
+    from vllm_dspark.controller.costs import StepCosts
+
+    tuning = ControllerTuning(price_warmup_steps=0)
+    costs, rng = StepCosts(7, tuning), random.Random(seed)
+    b = ExplorationBudget(costs.nospec, tuning, costs.decode, costs.pace)
+    if not follow:  # the price frozen through the episode, as before drift.py
+        b.drift.observe = lambda s: None
+    for _ in range(4 * tuning.budget_warmup_steps):
+        s = StepSample(1, 1, False, STEP * math.exp(rng.gauss(0, 0.05)), 0.0, 0, plain=True)
+        costs.observe(s)
+        b.settle(s)
+    b.open(False, 1)
+    booked, true = [], []
+    for n in range(steps):
+        d, pace = rng.randint(1, 7), speed(n)
+        draft = 1e-3 * pace
+        seconds = (8.5e-3 + 3e-4 * d) * pace * math.exp(rng.gauss(0, 0.05)) + draft
+        s = StepSample(1, 1 + d, True, seconds, draft, 1, plain=False, draft_tokens=d, accepted=1, saved=1.0)
+        costs.observe(s)
+        before = b.excess
+        b.settle(s)
+        booked.append(b.excess - before)
+        true.append(seconds - 2 * STEP * pace)
+    return booked, true, b, costs
+
+
+def test_an_episode_prices_at_the_pace_its_own_verify_steps_measure():
+    """The machine speeds up to 0.7x 200 steps into an episode priced at its
+    old pace: each step then loses about 0.5 ms against no speculation now,
+    but against the old price it books a 2.5-ms gain. Set against the
+    episode's own verify steps, the price follows: over the fast stretch's
+    last 200 steps the booked excess is the true one to within 6% of no
+    speculation's time there (-41% to -44% with the price frozen; seeds
+    0-5: -2% to +3%; here seeds 0-2, deterministic). A steady machine's
+    price does not move (within 5%), and a slower one's does not rise: a
+    verify step that slows may slow for speculation's own reasons."""
+    def speed(n):
+        return 1.0 if n < 200 else 0.7
+
+    nospec = 200 * 2 * STEP * 0.7
+    for seed in range(3):
+        booked, true, _, _ = _drifting_episode(speed, 500, follow=False, seed=seed)
+        assert sum(booked[-200:]) < 0 < sum(true[-200:])  # the frozen price books a loss as a gain
+        booked, true, b, costs = _drifting_episode(speed, 500, follow=True, seed=seed)
+        assert abs(sum(booked[-200:]) - sum(true[-200:])) < 0.06 * nospec, seed
+        assert b.drift.factor == pytest.approx(0.7, rel=0.05)
+        _, _, steady, _ = _drifting_episode(lambda n: 1.0, 500, follow=True, seed=seed)
+        assert steady.drift.factor == pytest.approx(1.0, abs=0.05)
+        _, _, slower, _ = _drifting_episode(lambda n: 1.0 if n < 200 else 1.4, 500, follow=True, seed=seed)
+        assert slower.drift.factor == 1.0
+    b.close()
+    b.open(False, 1)
+    assert b.drift.factor == pytest.approx(0.7, rel=0.05)  # no plain step between: the price is as stale
+    costs.observe(StepSample(1, 1, False, 0.7 * STEP, 0.0, 0, plain=True))
+    assert b.drift.factor == 1.0  # a plain step set the price anew

@@ -570,10 +570,11 @@ def test_snapshot_carries_the_step_s_load_as_json():
 def test_snapshot_shows_the_pace_the_budget_prices_at():
     ctl = _skip_rule_ctl()
     snap = ctl.snapshot()
-    assert (snap.pace_factor, snap.pace_trust) == (1.0, 0.0)  # no canary here
+    assert (snap.pace_factor, snap.pace_trust, snap.price_drift) == (1.0, 0.0, 1.0)  # no canary, no episode
     ctl.pace.factor, ctl.pace._fit.trust = 0.8, 0.5
+    ctl.budget.drift._factor, ctl.budget.drift._anchor = 1.25, ctl.costs.decode.observations
     snap = ctl.snapshot().to_json()
-    assert (snap["pace_factor"], snap["pace_trust"]) == (0.8, 0.5)
+    assert (snap["pace_factor"], snap["pace_trust"], snap["price_drift"]) == (0.8, 0.5, 1.25)
 
 
 def test_skip_rule_values_tokens_at_the_batch_about_to_run():

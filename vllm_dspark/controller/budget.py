@@ -57,7 +57,9 @@ drifts), so a long episode ends once its price is that old, and plain steps
 measure it anew; what the models saw before fades meanwhile (cost_model.py,
 ``fade``), so those few steps set the price. Within that age the machine's
 drift is divided out: the nospec models learn in the units of a canary timed
-every few steps, and a price is in seconds at its pace now (pace.py).
+every few steps, and a price is in seconds at its pace now (pace.py), and it
+follows how far the episode's own verify steps moved since it began
+(drift.py): the canary is not trusted everywhere.
 
 What an episode measured is kept per batch size (a power of two): it is
 gaining at the batch size of this step only (a gain banked at one request
@@ -77,6 +79,7 @@ import math
 
 from vllm_dspark.controller.clock import StepSample
 from vllm_dspark.controller.cost_model import OnlineCostModel
+from vllm_dspark.controller.drift import EpisodeDrift
 from vllm_dspark.controller.pace import MachinePace
 from vllm_dspark.controller.tuning import ControllerTuning
 
@@ -86,8 +89,10 @@ class ExplorationBudget:
                  pace: MachinePace | None = None):
         """``decode``: the nospec model of decode steps alone (costs.py), which
         prices decoded tokens and decode steps (default: ``nospec``). Both
-        learn in ``pace``'s units; priced at its factor now (pace.py)."""
+        learn in ``pace``'s units; priced at its factor now (pace.py) and at
+        the drift an episode's verify steps measure (drift.py)."""
         self._nospec, self._decode, self._pace = nospec, decode or nospec, pace or MachinePace(tuning)
+        self.drift = EpisodeDrift(self._decode, self._pace, tuning)
         t = tuning
         self._share, self._cap, self._reserve = t.budget_share, t.budget_cap_steps, t.episode_tokens
         self._warmup, self._max_unpriced, self._max_age = (t.budget_warmup_steps, t.budget_unpriced_steps,
@@ -120,6 +125,8 @@ class ExplorationBudget:
         """One recorded step (``s.plain``: it ran without speculation)."""
         if not self.ready:
             return
+        if not s.plain:
+            self.drift.observe(s)
         nospec = self._nospec
         decodes = self.measured(s.reqs)
         if decodes:  # the price of a decoded token at this batch
@@ -204,7 +211,7 @@ class ExplorationBudget:
 
     def _price(self, model: OnlineCostModel, reqs: int, tokens: int) -> float:
         """Seconds a step without speculation takes now (the model learns in pace units)."""
-        return model.params.predict(reqs, tokens) * self._pace.factor
+        return model.params.predict(reqs, tokens) * self._pace.factor * self.drift.factor
 
     def _pay_in(self, baseline: float, amount: float) -> None:
         """A priced step: no speculation would have taken ``baseline``; the
@@ -234,6 +241,7 @@ class ExplorationBudget:
         held = min(max(self.balance, 0.0), self._reserve_seconds)
         self._credit = self._cap if sure else held / self._step
         self._opened, self._episode, self._gain = self.balance, rows.bit_length(), {}
+        self.drift.open(rows)
 
     @property
     def episode_open(self) -> bool:

@@ -66,6 +66,7 @@ class ControllerSnapshot:
     budget_balance_s: float = 0.0  # what exploring may still spend
     pace_factor: float = 1.0  # the budget's prices now over the first canary's pace (pace.py)
     pace_trust: float = 0.0  # how far the steps bear the canary out (0 to 1)
+    price_drift: float = 1.0  # how far the open episode's verify steps moved its price (drift.py)
     calibration: dict | None = None  # per mode: alpha, beta, ECE raw and calibrated per position
     load: dict | None = None  # the last step's LoadSignals
 
@@ -157,7 +158,8 @@ class Telemetry:
             cost_model_mape=costs.mape(), calibration=acceptance.state(),
             load=load._asdict() if load else None, speculation_excess=budget.loss_share(),
             budget_balance_s=budget.balance, pace_factor=costs.pace.factor,
-            pace_trust=costs.pace.trust, **costs.params_json())
+            pace_trust=costs.pace.trust, price_drift=budget.drift.factor,
+            **costs.params_json())
 
     def log(self, snapshot: ControllerSnapshot) -> None:
         from vllm_dspark.log import get_logger

@@ -94,6 +94,10 @@ class ControllerTuning:
     pace_fit_decay: float = 0.98  # per canary, in the fit of canary against steps: ~50 canaries count
     pace_min_fits: int = 16  # canaries set against steps before the canary prices at all
     pace_clip: float = 0.4  # log distance from the window's median a canary counts up to: a stray reading cut
+    # Drift within an episode (drift.py)
+    drift_window: int = 32  # verify steps per median: more is steadier, slower to follow a spell
+    drift_shape_steps: int = 8  # steps of each shape that set its reference time
+    drift_clip: float = 2.0  # the most the price falls with the episode's drift (it never rises)
     cost: CostModelTuning = field(default_factory=CostModelTuning)
     calibration: CalibrationTuning = field(default_factory=CalibrationTuning)
     survival: SurvivalTuning = field(default_factory=SurvivalTuning)

@@ -1,0 +1,94 @@
+"""EpisodeDrift: how far the machine's pace moved since an episode began,
+read from the episode's own verify steps.
+
+The exploration budget prices a speculating step against the no-spec models,
+which learn from plain steps only, and an episode runs none: its price holds
+the pace of the plain steps before it. The machine drifts within the
+episode: on the AMD EPYC Zen 4 host a live no-spec engine ran 3.5-7.5 ms a
+token from wave to wave while a c=1 episode was priced from two plain steps
+(4.79 ms), and booked 1.58 s gained where it gained 1.00 s; a capped engine
+drafted 612 steps booking -0.3% and ran 0.905x its no-spec partner. The
+canary (pace.py) was not trusted there. The verify steps are timed every
+step, and the machine's pace moves them as it moves plain steps. So past an
+episode's first ``drift_window`` verify steps at its batch size (context
+still building, shapes running for the first time), the first
+``drift_shape_steps`` steps of each shape (requests, tokens) set that
+shape's reference time (their median), and the median of the last
+``drift_window`` steps' times over their shapes' references is the factor
+the price follows down, as far as ``drift_clip``, and never up: a verify
+step can slow for speculation's own reasons (the drafter's work in the
+caches, steps that stopped gaining), and a price that rose with it would
+hide the loss it is there to measure; one that falls with a faster
+machine books less gain, never more. Set against a fitted line
+instead, the factor swung 0.92-1.30 over one c=1 run as the waves' mixes of
+verified drafts changed, where a live no-spec engine moved about 10%. The
+factor holds until plain steps teach the decode model again: an episode
+that ends and opens again with none between keeps it (on the Zen 4 host one
+did at c=1 after the factor had reached 0.77, and at 1 again booked 1.1 s
+of gain over eight waves that lost 0.2 s against a live no-spec engine).
+Only verifying decode steps at the episode's batch size (its power of two)
+count: prompt tokens are not a decode step's shape. Times are in the pace's
+units, so a trusted canary's correction is not counted twice. Under tensor
+parallelism every rank sees rank 0's step times (clock.py), so every rank's
+factor is alike.
+"""
+
+from collections import deque
+from statistics import median
+
+from vllm_dspark.controller.clock import StepSample
+from vllm_dspark.controller.cost_model import OnlineCostModel
+from vllm_dspark.controller.pace import MachinePace
+from vllm_dspark.controller.tuning import ControllerTuning
+
+
+class EpisodeDrift:
+    def __init__(self, decode: OnlineCostModel, pace: MachinePace, tuning: ControllerTuning):
+        """``decode``: the model whose price the factor corrects (budget.py)."""
+        self._decode, self._pace = decode, pace
+        self._window, self._per_shape, self._clip = tuning.drift_window, tuning.drift_shape_steps, tuning.drift_clip
+        self._rows: int | None = None  # the batch-size class measured (None: none yet)
+        self._anchor = -1  # the decode model's observations when measuring began
+        self._seen = 0  # its steps so far
+        self._reference: dict[tuple[int, int], list[float]] = {}  # (reqs, tokens) -> its first steps' times
+        self._recent: deque[float] = deque(maxlen=self._window)  # the last steps' times over their reference
+        self._factor = 1.0
+
+    @property
+    def factor(self) -> float:
+        """How far the pace moved since the price was set: 1 once plain steps set it anew."""
+        return self._factor if self._decode.observations == self._anchor else 1.0
+
+    def open(self, rows: int) -> None:
+        """An episode starts at ``rows`` requests. What was measured holds
+        while its price does (no plain step taught the decode model since)
+        at the same batch size: an episode that ends and opens again with no
+        plain step between is priced as before."""
+        if rows.bit_length() != self._rows or self._decode.observations != self._anchor:
+            self._restart(rows.bit_length())
+
+    def _restart(self, rows: int | None) -> None:
+        self._rows, self._anchor, self._seen, self._factor = rows, self._decode.observations, 0, 1.0
+        self._reference.clear()
+        self._recent.clear()
+
+    def observe(self, s: StepSample) -> None:
+        """A speculating step."""
+        if self._decode.observations != self._anchor:  # plain steps priced it anew meanwhile
+            self._restart(self._rows)
+        if (self._rows is None or not s.verifies or s.reqs.bit_length() != self._rows
+                or s.tokens - s.draft_tokens != s.reqs):
+            return
+        self._seen += 1
+        if self._seen <= self._window:  # context still building, shapes running for the first time
+            return
+        seconds = max(s.seconds - (s.draft_seconds if s.drafted else 0.0), 1e-6) / self._pace.factor
+        reference = self._reference.setdefault((s.reqs, s.tokens), [])
+        if len(reference) < self._per_shape:
+            reference.append(seconds)
+            if len(reference) == self._per_shape:
+                reference.append(median(reference))  # kept last: the shape's reference time
+            return
+        self._recent.append(seconds / reference[-1])
+        if len(self._recent) == self._window:
+            self._factor = min(max(median(self._recent), 1.0 / self._clip), 1.0)
