@@ -130,7 +130,7 @@ class ExplorationBudget:
         nospec = self._nospec
         decodes = self.measured(s.reqs)
         if decodes:  # the price of a decoded token at this batch
-            self._step = self._price(self._decode, s.reqs, s.reqs)
+            self._step = self._decode_price(s.reqs)
             self._token, self._step_reqs = self._step / s.reqs, s.reqs
             if s.reqs.bit_length() not in self._granted:  # a batch size's first reserve is granted
                 self._granted.add(s.reqs.bit_length())
@@ -208,6 +208,12 @@ class ExplorationBudget:
     def _reserve_seconds(self) -> float:
         """One episode's reserve: ``episode_tokens`` decoded tokens at the last priced batch."""
         return self._reserve * self._token
+
+    def _decode_price(self, reqs: int) -> float:
+        """A plain decode step's price at ``reqs``: within an episode no more
+        than its verify steps there take (drift.py)."""
+        price = self._price(self._decode, reqs, reqs)
+        return min(price, self.drift.ceiling(reqs)) if self._episode is not None else price
 
     def _price(self, model: OnlineCostModel, reqs: int, tokens: int) -> float:
         """Seconds a step without speculation takes now (the model learns in pace units)."""

@@ -1,5 +1,6 @@
-"""EpisodeDrift: how far the machine's pace moved since an episode began,
-read from the episode's own verify steps.
+"""EpisodeDrift: what an episode's own verify steps say about its no-spec
+price: how far the machine sped up since the episode began (``factor``),
+and the most a plain step can cost now (``ceiling``).
 
 The exploration budget prices a speculating step against the no-spec models,
 which learn from plain steps only, and an episode runs none: its price holds
@@ -27,12 +28,28 @@ that ends and opens again with none between keeps it (on the Zen 4 host one
 did at c=1 after the factor had reached 0.77, and at 1 again booked 1.1 s
 of gain over eight waves that lost 0.2 s against a live no-spec engine).
 Only verifying decode steps at the episode's batch size (its power of two)
-count: prompt tokens are not a decode step's shape. Times are in the pace's
+count: prompt tokens are not a decode step's shape.
+
+The factor sees no change from before the episode's first steps, and a
+price set in a slow spell just before is the commoner error: a fresh
+engine's second request ran its plain steps at 4.26 ms a token where a
+live no-spec engine beside it ran 3.58, and priced at that, drafting booked
+2.84 s of gain over 22 waves that lost 0.13 s (1.024x; Zen 4, native bf16,
+c=1). A verify step carries a plain step's tokens and its drafts, so it
+costs no less than a plain step of as many requests: within an episode a
+plain decode step is priced at no more than the least, over the shapes
+verified at as many requests, of the median of each one's last
+``drift_shape_steps`` (``ceiling``; the one-draft shape's, mostly: the
+median of all verify steps sat 1.3-1.6x above the steps of a live no-spec
+engine at c=1 there). A shape's first ``drift_shape_steps // 2`` runs are
+its warm-up and stay out of its reference time for the factor (a first run
+took 11-21 ms among 7-9 ms ones: costs.py). Times are in the pace's
 units, so a trusted canary's correction is not counted twice. Under tensor
 parallelism every rank sees rank 0's step times (clock.py), so every rank's
 factor is alike.
 """
 
+import math
 from collections import deque
 from statistics import median
 
@@ -47,12 +64,16 @@ class EpisodeDrift:
         """``decode``: the model whose price the factor corrects (budget.py)."""
         self._decode, self._pace = decode, pace
         self._window, self._per_shape, self._clip = tuning.drift_window, tuning.drift_shape_steps, tuning.drift_clip
+        self._skip = self._per_shape // 2  # a shape's first runs left out of its reference
         self._rows: int | None = None  # the batch-size class measured (None: none yet)
         self._anchor = -1  # the decode model's observations when measuring began
         self._seen = 0  # its steps so far
         self._reference: dict[tuple[int, int], list[float]] = {}  # (reqs, tokens) -> its first steps' times
         self._recent: deque[float] = deque(maxlen=self._window)  # the last steps' times over their reference
         self._factor = 1.0
+        # reqs -> tokens -> the episode's last verify decode steps of that shape, and their median
+        self._verified: dict[int, dict[int, deque[float]]] = {}
+        self._ceilings: dict[int, dict[int, float]] = {}
 
     @property
     def factor(self) -> float:
@@ -66,6 +87,15 @@ class EpisodeDrift:
         plain step between is priced as before."""
         if rows.bit_length() != self._rows or self._decode.observations != self._anchor:
             self._restart(rows.bit_length())
+        self._verified.clear()
+        self._ceilings.clear()
+
+    def ceiling(self, reqs: int) -> float:
+        """The most a plain decode step of ``reqs`` requests costs now: a
+        verify step carries its tokens and more, so it costs no less. The
+        least, over the shapes this episode verified at ``reqs``, of the
+        median of their last ``drift_shape_steps`` (inf before any)."""
+        return min(self._ceilings.get(reqs, {}).values(), default=math.inf)
 
     def _restart(self, rows: int | None) -> None:
         self._rows, self._anchor, self._seen, self._factor = rows, self._decode.observations, 0, 1.0
@@ -76,18 +106,24 @@ class EpisodeDrift:
         """A speculating step."""
         if self._decode.observations != self._anchor:  # plain steps priced it anew meanwhile
             self._restart(self._rows)
-        if (self._rows is None or not s.verifies or s.reqs.bit_length() != self._rows
-                or s.tokens - s.draft_tokens != s.reqs):
+        if not s.verifies or s.tokens - s.draft_tokens != s.reqs:
+            return
+        target = max(s.seconds - (s.draft_seconds if s.drafted else 0.0), 1e-6)
+        times = self._verified.setdefault(s.reqs, {}).setdefault(s.tokens, deque(maxlen=self._per_shape))
+        times.append(target)
+        if len(times) == self._per_shape:
+            self._ceilings.setdefault(s.reqs, {})[s.tokens] = median(times)
+        if self._rows is None or s.reqs.bit_length() != self._rows:
             return
         self._seen += 1
         if self._seen <= self._window:  # context still building, shapes running for the first time
             return
-        seconds = max(s.seconds - (s.draft_seconds if s.drafted else 0.0), 1e-6) / self._pace.factor
+        seconds = target / self._pace.factor
         reference = self._reference.setdefault((s.reqs, s.tokens), [])
-        if len(reference) < self._per_shape:
+        if len(reference) < self._per_shape + self._skip:
             reference.append(seconds)
-            if len(reference) == self._per_shape:
-                reference.append(median(reference))  # kept last: the shape's reference time
+            if len(reference) == self._per_shape + self._skip:  # its first runs are its warm-up
+                reference.append(median(reference[self._skip:]))  # kept last: the shape's reference time
             return
         self._recent.append(seconds / reference[-1])
         if len(self._recent) == self._window:
