@@ -187,8 +187,8 @@ class DSparkCollector:
                                 "(drafting has not paid for a while), else 0.", value=float(snap.dormant))
         pace = GaugeMetricFamily(PREFIX + "machine_pace", "The exploration budget's step prices now over those "
                                  "at the first pace reading (factor), how far the steps bear its canary out "
-                                 "(trust, 0 to 1), and how far the open episode's verify steps moved its "
-                                 "prices since it began (drift).", labels=["kind"])
+                                 "(trust, 0 to 1), and how far the open episode's verify steps lowered its "
+                                 "prices since it began (drift, 0.5 to 1).", labels=["kind"])
         pace.add_metric(["factor"], snap.pace_factor)
         pace.add_metric(["trust"], snap.pace_trust)
         pace.add_metric(["drift"], snap.price_drift)

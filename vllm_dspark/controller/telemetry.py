@@ -66,7 +66,7 @@ class ControllerSnapshot:
     budget_balance_s: float = 0.0  # what exploring may still spend
     pace_factor: float = 1.0  # the budget's prices now over the first canary's pace (pace.py)
     pace_trust: float = 0.0  # how far the steps bear the canary out (0 to 1)
-    price_drift: float = 1.0  # how far the open episode's verify steps moved its price (drift.py)
+    price_drift: float = 1.0  # how far the open episode's verify steps lowered its price (drift.py)
     calibration: dict | None = None  # per mode: alpha, beta, ECE raw and calibrated per position
     load: dict | None = None  # the last step's LoadSignals
 
