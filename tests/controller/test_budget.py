@@ -1031,32 +1031,3 @@ def test_a_price_set_in_a_slow_spell_is_capped_at_what_the_episodes_verify_steps
                 booked, true, nospec = booked + b.excess - before, true + seconds - 1.25 * STEP, nospec + 1.25 * STEP
         assert STEP < b._step < 1.06 * STEP, (seed, b._step)
         assert -0.05 * nospec < booked < true and true > 0, (seed, booked, true)
-
-
-def test_a_shapes_first_run_is_paid_but_no_part_of_the_episodes_verdict():
-    """An episode whose first steps are its shapes' first runs (30 ms where
-    a step takes 6 ms: the machine's one-time warm-up) and whose other steps
-    gain: the balance pays the warm-ups in full, but the episode is measured
-    gaining, and once closed its batch size is not marked lost. Counted in
-    its verdict, the same episode is marked lost (before this, a fresh
-    engine's c=1 trial was, and it stayed plain at c=1)."""
-    def episode(warmups_count: bool) -> ExplorationBudget:
-        b = _budget()
-        b.settle(_plain())
-        b.open(False, 1)
-        for n in range(TUNING.trial_steps + 8):
-            warm = n < 8
-            seconds = 0.030 if warm else 0.0085  # one step saved: 1.5 ms ahead of two plain steps
-            b.settle(StepSample(1, 4, True, seconds, 0.001, 1, plain=False, draft_tokens=3, accepted=1, saved=1.0),
-                     warmup=warm and not warmups_count)
-        return b
-
-    b = episode(warmups_count=False)
-    assert b.excess == pytest.approx(8 * (0.030 - 2 * STEP) + TUNING.trial_steps * (0.0085 - 2 * STEP))  # all paid
-    assert b.gaining(1) and b.balance < b._opened
-    b.close()
-    assert (1).bit_length() not in b._marks and b.gained(1)
-    counted = episode(warmups_count=True)
-    assert not counted.gaining(1)
-    counted.close()
-    assert (1).bit_length() in counted._marks

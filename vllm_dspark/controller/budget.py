@@ -110,7 +110,6 @@ class ExplorationBudget:
         self._credit = 0.0  # plain steps of debt the episode may run into while building context
         self._opened = 0.0  # the balance the last episode opened with
         self._episode: int | None = None  # the open episode's batch-size class (None: none open)
-        self._warm = 0.0  # what its shapes' first runs took over no speculation (paid, not its verdict)
         self._min_gain_steps = t.trial_steps
         # The open episode's excess and priced speculating steps, per batch-size class.
         self._gain: dict[int, tuple[float, int]] = {}
@@ -124,9 +123,8 @@ class ExplorationBudget:
         """Can steps be priced (the nospec model has seen enough plain steps)?"""
         return self._decode.pinned or self._decode.observations >= self._warmup
 
-    def settle(self, s: StepSample, warmup: bool = False) -> None:
-        """One recorded step (``s.plain``: it ran without speculation;
-        ``warmup``: a shape's first run, costs.first_run)."""
+    def settle(self, s: StepSample) -> None:
+        """One recorded step (``s.plain``: it ran without speculation)."""
         if not self.ready:
             return
         if not s.plain:
@@ -154,7 +152,7 @@ class ExplorationBudget:
                 # older than the step, and noisy (docs/controller.md).
                 took = s.seconds + s.extra_seconds
                 excess = max(0.0, took - self._step - saved)
-                self._charge(took - excess, excess, s.reqs, False, warmup)
+                self._charge(took - excess, excess, s.reqs, False)
                 return
             self._unpriced += verified  # what the target spent on drafts is unknown: a loss may hide there
             if self._token and (prompts or s.reqs < self._step_reqs or not verified):
@@ -167,25 +165,18 @@ class ExplorationBudget:
                 if not prompts and s.reqs < self._step_reqs:
                     bounds.append(s.seconds - self._step)
                 excess = max(0.0, max(bounds) + s.extra_seconds - saved)
-                self._charge(max(s.seconds + s.extra_seconds - excess, 0.0), excess, s.reqs, False, warmup)
+                self._charge(max(s.seconds + s.extra_seconds - excess, 0.0), excess, s.reqs, priced=False)
             return
         self._unpriced = 0
         baseline = (self._price(nospec, s.reqs, s.tokens - s.draft_tokens) if prompts else self._step) + saved
-        self._charge(baseline, s.seconds + s.extra_seconds - baseline, s.reqs, warmup=warmup)
+        self._charge(baseline, s.seconds + s.extra_seconds - baseline, s.reqs)
 
-    def _charge(self, baseline: float, excess: float, reqs: int, priced: bool = True, warmup: bool = False) -> None:
+    def _charge(self, baseline: float, excess: float, reqs: int, priced: bool = True) -> None:
         """A speculating step of ``reqs`` requests took ``excess`` over the
-        ``baseline`` no speculation would have. A shape's first run
-        (``warmup``) is paid from the balance, but what the episode measured
-        leaves it out: it does not recur, and a fresh engine's c=1 trial,
-        charged its shapes' warm-ups, marked c=1 lost where full K=3 ran
-        1.05-1.17x no-spec (docs/controller.md)."""
+        ``baseline`` no speculation would have."""
         self.excess += excess
-        if warmup:
-            self._warm += excess
-        else:
-            gained, steps = self._gain.get(reqs.bit_length(), (0.0, 0))
-            self._gain[reqs.bit_length()] = (gained + excess, steps + priced)
+        gained, steps = self._gain.get(reqs.bit_length(), (0.0, 0))
+        self._gain[reqs.bit_length()] = (gained + excess, steps + priced)
         self._pay_in(baseline, self._share * baseline - excess)
 
     def _grant(self, lift: float) -> None:
@@ -257,7 +248,7 @@ class ExplorationBudget:
         three at eleven (docs/controller.md)."""
         held = min(max(self.balance, 0.0), self._reserve_seconds)
         self._credit = self._cap if sure else held / self._step
-        self._opened, self._episode, self._gain, self._warm = self.balance, rows.bit_length(), {}, 0.0
+        self._opened, self._episode, self._gain = self.balance, rows.bit_length(), {}
         self.drift.open(rows)
 
     @property
@@ -282,10 +273,9 @@ class ExplorationBudget:
             else:
                 self._won.pop(rows_class, None)
         unpriced = self._unpriced >= self._max_unpriced
-        kept = self.balance + max(self._warm, 0.0)  # its shapes' warm-ups are no part of its verdict
-        if (unpriced or kept < self._opened) and self._episode not in self._won:
+        if (unpriced or self.balance < self._opened) and self._episode not in self._won:
             # An unpriced episode measured nothing: count it as a reserve lost.
-            lost = max(self._opened - kept, self._reserve_seconds if unpriced else 0.0)
+            lost = max(self._opened - self.balance, self._reserve_seconds if unpriced else 0.0)
             _, losses = self._marks.get(self._episode, (0.0, 0))
             need = min(self._opened + lost * (2 ** losses - 1), self._cap_seconds)
             self._marks[self._episode] = (need, losses + 1)

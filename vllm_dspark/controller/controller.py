@@ -208,8 +208,8 @@ class DSparkController:
         if sample is None:  # no step held
             return
         if sample.recorded:  # a shape's first run is the machine's warm-up: no model of that shape learns it (costs.py)
-            predicted = self.costs.observe(sample, first := self.costs.first_run(sample))
-            self.budget.settle(sample, warmup=any(first))  # nor the episode's verdict: the balance pays it
+            predicted = self.costs.observe(sample, self.costs.first_run(sample))
+            self.budget.settle(sample)
             self.telemetry.recorded(sample, predicted, self.steps, self.costs)
         else:  # alike dormant plain steps: counted, and what they took earned
             self.budget.earn(sample.seconds)
