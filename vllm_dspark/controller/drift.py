@@ -20,15 +20,12 @@ the price follows down, as far as ``drift_clip``, and never up: a verify
 step can slow for speculation's own reasons (the drafter's work in the
 caches, steps that stopped gaining), and a price that rose with it would
 hide the loss it is there to measure; one that falls with a faster
-machine books less gain, never more. Set against a fitted line
-instead, the factor swung 0.92-1.30 over one c=1 run as the waves' mixes of
-verified drafts changed, where a live no-spec engine moved about 10%. The
-factor holds until plain steps teach the decode model again: an episode
-that ends and opens again with none between keeps it (on the Zen 4 host one
-did at c=1 after the factor had reached 0.77, and at 1 again booked 1.1 s
-of gain over eight waves that lost 0.2 s against a live no-spec engine).
-Only verifying decode steps at the episode's batch size (its power of two)
-count: prompt tokens are not a decode step's shape.
+machine books less gain, never more. Per shape, since a fitted line's
+errors moved with the waves' mixes of verified drafts. The factor holds
+until plain steps teach the decode model again: an episode that ends and
+opens again with none between keeps it, its price as old as before. Only verifying decode
+steps at the episode's batch size (its power of two) count: prompt tokens
+are not a decode step's shape (docs/controller.md has the measurements).
 
 The factor sees no change from before the episode's first steps, and a
 price set in a slow spell just before is the commoner error: a fresh
@@ -39,11 +36,11 @@ c=1). A verify step carries a plain step's tokens and its drafts, so it
 costs no less than a plain step of as many requests: within an episode a
 plain decode step is priced at no more than the least, over the shapes
 verified at as many requests, of the median of each one's last
-``drift_shape_steps`` (``ceiling``; the one-draft shape's, mostly: the
-median of all verify steps sat 1.3-1.6x above the steps of a live no-spec
-engine at c=1 there). A shape's first ``drift_shape_steps // 2`` runs are
-its warm-up and stay out of its reference time for the factor (a first run
-took 11-21 ms among 7-9 ms ones: costs.py). Times are in the pace's
+``drift_shape_steps`` (``ceiling``; the one-draft shape's, mostly: all
+verify steps' median sat 1.3-1.6x above a plain step at c=1 there). A
+shape's first ``drift_shape_steps // 2`` runs are its warm-up and stay out
+of its reference time for the factor (a first run took 11-21 ms among
+7-9 ms ones: costs.py). Times are in the pace's
 units, so a trusted canary's correction is not counted twice. Under tensor
 parallelism every rank sees rank 0's step times (clock.py), so every rank's
 factor is alike.
