@@ -928,12 +928,11 @@ def test_a_reserve_granted_at_a_new_batch_size_earns_back_no_loss_at_another():
     assert steps >= 0.5 * TUNING.episode_tokens / 4 / TUNING.budget_share
 
 
-def _drifting_episode(speed, steps: int, follow: bool, seed: int):
-    """A c=1 episode priced from plain steps of 5 ms at pace 1: verify steps
-    of 1 + d tokens (d drafts, 1-7, seeded) take (8.5 + 0.3 d) ms of target and
-    1 ms of drafting at pace ``speed(n)``, 5% noise, saving one plain step
-    each. Returns the booked and the true excess of each step (the true one
-    priced at 5 ms x ``speed(n)``), the budget and its cost models."""
+def _c1_episode(plain: float, seed: int):
+    """Fresh cost models and budget, priced from plain steps of ``plain``
+    seconds at one request (5% noise, ``seed``), an episode open there.
+    Returns the budget, its cost models, the rng and ``step(sample)``, which
+    learns and settles a speculating step and returns the excess booked."""
     import random
 
     from vllm_dspark.controller.costs import StepCosts
@@ -941,23 +940,37 @@ def _drifting_episode(speed, steps: int, follow: bool, seed: int):
     tuning = ControllerTuning(price_warmup_steps=0)
     costs, rng = StepCosts(7, tuning), random.Random(seed)
     b = ExplorationBudget(costs.nospec, tuning, costs.decode, costs.pace)
-    if not follow:  # the price frozen through the episode, as before drift.py
-        b.drift.observe = lambda s: None
     for _ in range(4 * tuning.budget_warmup_steps):
-        s = StepSample(1, 1, False, STEP * math.exp(rng.gauss(0, 0.05)), 0.0, 0, plain=True)
+        s = StepSample(1, 1, False, plain * math.exp(rng.gauss(0, 0.05)), 0.0, 0, plain=True)
         costs.observe(s)
         b.settle(s)
     b.open(False, 1)
+
+    def step(s: StepSample) -> float:
+        costs.observe(s)
+        before = b.excess
+        b.settle(s)
+        return b.excess - before
+
+    return b, costs, rng, step
+
+
+def _drifting_episode(speed, steps: int, follow: bool, seed: int):
+    """A c=1 episode priced from plain steps of 5 ms at pace 1: verify steps
+    of 1 + d tokens (d drafts, 1-7, seeded) take (8.5 + 0.3 d) ms of target and
+    1 ms of drafting at pace ``speed(n)``, 5% noise, saving one plain step
+    each. Returns the booked and the true excess of each step (the true one
+    priced at 5 ms x ``speed(n)``), the budget and its cost models."""
+    b, costs, rng, step = _c1_episode(STEP, seed)
+    if not follow:  # the price frozen through the episode, as before drift.py
+        b.drift.observe = lambda s: None
     booked, true = [], []
     for n in range(steps):
         d, pace = rng.randint(1, 7), speed(n)
         draft = 1e-3 * pace
         seconds = (8.5e-3 + 3e-4 * d) * pace * math.exp(rng.gauss(0, 0.05)) + draft
-        s = StepSample(1, 1 + d, True, seconds, draft, 1, plain=False, draft_tokens=d, accepted=1, saved=1.0)
-        costs.observe(s)
-        before = b.excess
-        b.settle(s)
-        booked.append(b.excess - before)
+        booked.append(step(StepSample(1, 1 + d, True, seconds, draft, 1, plain=False, draft_tokens=d, accepted=1,
+                                      saved=1.0)))
         true.append(seconds - 2 * STEP * pace)
     return booked, true, b, costs
 
@@ -1004,30 +1017,17 @@ def test_a_price_set_in_a_slow_spell_is_capped_at_what_the_episodes_verify_steps
     excess to -3% to 0% (seeds 0-5); before a shape has run
     ``drift_shape_steps`` times it is not capped. 5% noise, seeds 0-2 here:
     deterministic."""
-    import random
-
-    from vllm_dspark.controller.costs import StepCosts
-
-    tuning = ControllerTuning(price_warmup_steps=0)
     for seed in range(3):
-        costs, rng = StepCosts(7, tuning), random.Random(seed)
-        b = ExplorationBudget(costs.nospec, tuning, costs.decode, costs.pace)
-        for _ in range(4 * tuning.budget_warmup_steps):
-            s = StepSample(1, 1, False, 1.25 * STEP * math.exp(rng.gauss(0, 0.05)), 0.0, 0, plain=True)
-            costs.observe(s)
-            b.settle(s)
-        b.open(False, 1)
+        b, _, rng, step = _c1_episode(1.25 * STEP, seed)
         booked, true, nospec = 0.0, 0.0, 0.0
         for n in range(300):
             d = rng.randint(1, 7)
             seconds = STEP * (1.04 + 0.01 * d) * math.exp(rng.gauss(0, 0.05)) + 1e-3
-            s = StepSample(1, 1 + d, True, seconds, 1e-3, 1, plain=False, draft_tokens=d, accepted=1, saved=0.25)
-            costs.observe(s)
-            before = b.excess
-            b.settle(s)
-            if n == tuning.drift_shape_steps - 2:
+            excess = step(StepSample(1, 1 + d, True, seconds, 1e-3, 1, plain=False, draft_tokens=d, accepted=1,
+                                     saved=0.25))
+            if n == TUNING.drift_shape_steps - 2:
                 assert b._step == pytest.approx(1.25 * STEP, rel=0.05)  # not capped yet
             if n >= 100:
-                booked, true, nospec = booked + b.excess - before, true + seconds - 1.25 * STEP, nospec + 1.25 * STEP
+                booked, true, nospec = booked + excess, true + seconds - 1.25 * STEP, nospec + 1.25 * STEP
         assert STEP < b._step < 1.06 * STEP, (seed, b._step)
         assert -0.05 * nospec < booked < true and true > 0, (seed, booked, true)
