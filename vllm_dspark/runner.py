@@ -59,6 +59,7 @@ class DSparkRunnerMixin:
         self._slots_of = self._slots = None  # the target's slot-mapping buffer, and its view
         self._track_slots = self.cache_config.enable_prefix_caching  # which slots hold drafter context
         self._dspark_timing = NO_DRAFT
+        self._warm_up: dict | None = None  # the start-up warm-up's token counts and seconds (CPU)
         rank = parallel.rank
         self._dspark_snapshots = SnapshotWriter(snapshot_dir(vllm_config.instance_id) if rank == 0 else None,
                                                 rank, self.dspark_snapshot)
@@ -88,7 +89,27 @@ class DSparkRunnerMixin:
         return logits_indices, spec_decode_metadata, max_sampled
 
     def dspark_snapshot(self) -> dict:
-        return self.dspark.snapshot(self._coasted_fast).to_json()
+        return {**self.dspark.snapshot(self._coasted_fast).to_json(), "warm_up": self._warm_up}
+
+    @torch.inference_mode()
+    def warm_up_verify_shapes(self) -> tuple[int, float]:
+        """Run the target (with its logits) and the drafter's dummy pass once
+        at every token count a verify step of up to ``warm_up_requests``
+        requests can take, before any request: on CPU a count's first run
+        builds its kernels (3-12 ms each on Zen 4), and a fresh engine's
+        first trial at one request paid 40-80 ms of them, up to two thirds
+        of its reserve, booked as drafting's loss (docs/controller.md). The
+        same counts on every rank (the dummy passes hold collectives).
+        Returns (the largest count run, seconds taken)."""
+        sched = self.scheduler_config
+        top = min((self.drafter.block_len + 1) * min(self.dspark.tuning.warm_up_requests, sched.max_num_seqs),
+                  sched.max_num_batched_tokens)
+        t0 = time.perf_counter()
+        for tokens in range(1, top + 1):
+            hidden, _ = self._dummy_run(tokens)
+            self.model.compute_logits(hidden[:tokens])
+        self._warm_up = {"tokens": top, "seconds": round(time.perf_counter() - t0, 3)}
+        return top, self._warm_up["seconds"]
 
     def execute_model(self, scheduler_output, *args, **kwargs):
         so, tokens = scheduler_output, scheduler_output.total_num_scheduled_tokens

@@ -180,6 +180,18 @@ LEDGER: tuple[Hook, ...] = (
         _UPSTREAM, None, scope="cpu_worker",
     ),
     Hook(
+        "vllm.v1.worker.cpu_worker.CPUWorker.compile_or_warm_up_model", "subclass",
+        "DSparkCPUWorker runs every verify step size of a few requests once first "
+        "(runner.warm_up_verify_shapes): on CPU a token count's first run builds its kernels.",
+        "nothing (calls super)", "vLLM's CPU worker warms the token counts speculation verifies",
+        ("self",), scope="cpu_worker",
+    ),
+    Hook(
+        "vllm.v1.worker.gpu_model_runner.GPUModelRunner._dummy_run", "call",
+        "warm_up_verify_shapes runs the target and the drafter's dummy pass at each token count.",
+        "-", "-", ("self", "num_tokens"),
+    ),
+    Hook(
         "vllm.v1.worker.cpu_worker.CPUModelRunner", "rebind",
         "Module global that CPUWorker.init_device instantiates; rebound to the DSpark "
         "runner only while DSparkCPUWorker.init_device runs.", "the runner class",

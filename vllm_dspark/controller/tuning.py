@@ -98,6 +98,8 @@ class ControllerTuning:
     drift_window: int = 32  # verify steps per median: more is steadier, slower to follow a spell
     drift_shape_steps: int = 8  # steps of each shape that set its reference time
     drift_clip: float = 2.0  # the most the price falls with the episode's drift (it never rises)
+    # Start-up (runner.py)
+    warm_up_requests: int = 4  # verify token counts of batches up to this many requests run once before serving: more start-up time, fewer first runs in trials
     cost: CostModelTuning = field(default_factory=CostModelTuning)
     calibration: CalibrationTuning = field(default_factory=CalibrationTuning)
     survival: SurvivalTuning = field(default_factory=SurvivalTuning)
