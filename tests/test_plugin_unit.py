@@ -277,7 +277,7 @@ def test_draft_free_step_samples_the_rows_vllm_would():
 
 def test_start_up_runs_every_verify_size_of_a_few_requests_once():
     """Before serving, the runner runs the target with its logits (and the
-    drafter's dummy pass) at each token count 1..(K+1) x warm_up_requests,
+    drafter's dummy pass and context write) at each token count 1..(K+1) x warm_up_requests,
     no more than a step may schedule, on every rank alike."""
     from types import SimpleNamespace
 
@@ -287,7 +287,7 @@ def test_start_up_runs_every_verify_size_of_a_few_requests_once():
     from vllm_dspark.runner import DSparkRunnerMixin
 
     def runner(k, max_seqs, max_tokens, warm):
-        ran, rows = [], []
+        ran, rows, written = [], [], []
 
         def dummy_run(tokens):
             ran.append(tokens)
@@ -295,14 +295,15 @@ def test_start_up_runs_every_verify_size_of_a_few_requests_once():
 
         return SimpleNamespace(
             scheduler_config=SimpleNamespace(max_num_seqs=max_seqs, max_num_batched_tokens=max_tokens),
-            drafter=SimpleNamespace(block_len=k), dspark=SimpleNamespace(tuning=ControllerTuning(warm_up_requests=warm)),
-            _dummy_run=dummy_run, model=SimpleNamespace(compute_logits=lambda h: rows.append(len(h)))), ran, rows
+            drafter=SimpleNamespace(block_len=k, warm_up_context=written.append),
+            dspark=SimpleNamespace(tuning=ControllerTuning(warm_up_requests=warm)),
+            _dummy_run=dummy_run, model=SimpleNamespace(compute_logits=lambda h: rows.append(len(h)))), ran, rows, written
 
     for k, max_seqs, max_tokens, warm, top in ((7, 64, 2048, 4, 32), (7, 1, 2048, 4, 8), (3, 64, 20, 8, 20),
                                                (7, 64, 2048, 0, 0)):
-        fake, ran, rows = runner(k, max_seqs, max_tokens, warm)
+        fake, ran, rows, written = runner(k, max_seqs, max_tokens, warm)
         assert DSparkRunnerMixin.warm_up_verify_shapes(fake)[0] == top
-        assert ran == rows == list(range(1, top + 1))
+        assert ran == rows == written == list(range(1, top + 1))
 
 
 def test_requests_admitted_while_dormant_get_no_context():

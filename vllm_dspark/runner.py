@@ -93,8 +93,8 @@ class DSparkRunnerMixin:
 
     @torch.inference_mode()
     def warm_up_verify_shapes(self) -> tuple[int, float]:
-        """Run the target (with its logits) and the drafter's dummy pass once
-        at every token count a verify step of up to ``warm_up_requests``
+        """Run the target (with its logits), the drafter's dummy pass and its
+        context write once at every token count a verify step of up to ``warm_up_requests``
         requests can take, before any request: on CPU a count's first run
         builds its kernels (3-12 ms each on Zen 4), and a fresh engine's
         first trial at one request paid 40-80 ms of them, up to two thirds
@@ -108,6 +108,7 @@ class DSparkRunnerMixin:
         for tokens in range(1, top + 1):
             hidden, _ = self._dummy_run(tokens)
             self.model.compute_logits(hidden[:tokens])
+            self.drafter.warm_up_context(tokens)
         self._warm_up = {"tokens": top, "seconds": round(time.perf_counter() - t0, 3)}
         return top, self._warm_up["seconds"]
 

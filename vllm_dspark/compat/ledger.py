@@ -261,12 +261,14 @@ LEDGER: tuple[Hook, ...] = (
     ),
     Hook(
         "vllm.model_executor.models.qwen3_dspark.Qwen3DSparkForCausalLM.precompute_and_store_context_kv", "call",
-        "Writes the queued context of skipped steps into the draft KV cache in one batch.",
+        "Writes the queued context of skipped steps into the draft KV cache in one batch; "
+        "without slots (stores nothing) in the start-up warm-up.",
         "-", "-", ("self", "context_states", "context_positions", "context_slot_mapping"),
     ),
     Hook(
         "vllm.model_executor.models.qwen3_dspark.Qwen3DSparkForCausalLM.combine_hidden_states", "call",
-        "Fuses the target's auxiliary hidden states into the drafter's context features.",
+        "Fuses the target's auxiliary hidden states into the drafter's context features "
+        "(its fc's input_size sizes the warm-up's features).",
         "-", "-", ("self", "hidden_states"),
     ),
     Hook(

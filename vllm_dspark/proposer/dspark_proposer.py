@@ -178,6 +178,18 @@ class DSparkProposer(DFlashProposer):
         return time.perf_counter() - t0
 
     @torch.inference_mode()
+    def warm_up_context(self, tokens: int) -> None:
+        """Run a context write of ``tokens`` rows once, stored nowhere: the fused
+        features' projection (combine_hidden_states) at that count, which vLLM's
+        dummy pass does not run (runner.warm_up_verify_shapes)."""
+        fc = getattr(self.model.model, "fc", None)
+        if fc is None or not self.model.model.use_aux_hidden_state:
+            return
+        features = torch.zeros(tokens, fc.input_size, dtype=fc.weight.dtype, device=self.device)
+        positions = torch.zeros(tokens, dtype=torch.int64, device=self.device)
+        self.model.precompute_and_store_context_kv(self.model.combine_hidden_states(features), positions)
+
+    @torch.inference_mode()
     def _write_context(self, features: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
         """Fused target features -> K/V of every draft layer, into its KV cache."""
         self.model.precompute_and_store_context_kv(self.model.combine_hidden_states(features), positions, slots)
