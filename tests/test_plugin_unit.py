@@ -277,8 +277,9 @@ def test_draft_free_step_samples_the_rows_vllm_would():
 
 def test_start_up_runs_every_verify_size_of_a_few_requests_once():
     """Before serving, the runner runs the target with its logits (and the
-    drafter's dummy pass and context write) at each token count 1..(K+1) x warm_up_requests,
-    no more than a step may schedule, on every rank alike."""
+    drafter's dummy pass and context write) at each token count 1..(K+1) x
+    warm_up_requests, no more than a step may schedule: counts from the
+    config alone, so alike on every rank; 0 requests turn it off."""
     from types import SimpleNamespace
 
     import torch
@@ -297,7 +298,8 @@ def test_start_up_runs_every_verify_size_of_a_few_requests_once():
             scheduler_config=SimpleNamespace(max_num_seqs=max_seqs, max_num_batched_tokens=max_tokens),
             drafter=SimpleNamespace(block_len=k, warm_up_context=written.append),
             dspark=SimpleNamespace(tuning=ControllerTuning(warm_up_requests=warm)),
-            _dummy_run=dummy_run, model=SimpleNamespace(compute_logits=lambda h: rows.append(len(h)))), ran, rows, written
+            _dummy_run=dummy_run, model=SimpleNamespace(compute_logits=lambda h: rows.append(len(h))),
+        ), ran, rows, written
 
     for k, max_seqs, max_tokens, warm, top in ((7, 64, 2048, 4, 32), (7, 1, 2048, 4, 8), (3, 64, 20, 8, 20),
                                                (7, 64, 2048, 0, 0)):

@@ -22,5 +22,6 @@ class DSparkCPUWorker(DSparkWorkerMixin, cpu_worker.CPUWorker):
     def compile_or_warm_up_model(self):
         # Before vLLM's, which resets the random seed after its own warm-up.
         top, seconds = self.model_runner.warm_up_verify_shapes()
-        logger.info("DSpark: ran every verify step size of 1-%d tokens once in %.1f s", top, seconds)
+        if top:
+            logger.info("DSpark: ran every verify step size of 1-%d tokens once in %.1f s", top, seconds)
         return super().compile_or_warm_up_model()
