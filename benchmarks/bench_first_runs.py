@@ -18,7 +18,6 @@ PNG.
 """
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -36,11 +35,11 @@ ROUNDS = ((1, 4), (1, 4), (4, 8), (4, 8))  # (concurrency, requests) per round, 
 
 def first_run_excess(trace: Path) -> list[dict]:
     """Per step shape seen at least MIN_RUNS times: its first run's seconds over its median from the fifth run."""
+    from vllm_dspark.controller.trace import load_trace
+
     shapes: dict[tuple, list[float]] = {}
-    for line in trace.read_text().splitlines():
-        step = json.loads(line)
-        if step.get("kind") == "step":
-            shapes.setdefault((step["reqs"], step["tokens"], bool(step["verifies"])), []).append(step["seconds"])
+    for step in load_trace(trace).steps:
+        shapes.setdefault((step["reqs"], step["tokens"], bool(step["verifies"])), []).append(step["seconds"])
     return [{"reqs": r, "tokens": t, "verifies": v, "runs": len(s), "first_s": s[0],
              "excess_s": s[0] - statistics.median(s[4:])}
             for (r, t, v), s in shapes.items() if len(s) >= MIN_RUNS]

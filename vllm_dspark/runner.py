@@ -96,8 +96,8 @@ class DSparkRunnerMixin:
         """Run the target (with its logits), the drafter's dummy pass and its
         context write once at every token count a verify step of up to ``warm_up_requests``
         requests can take, before any request: on CPU a count's first run
-        builds its kernels (3-12 ms each on Zen 4), and a fresh engine's
-        first trial at one request paid 40-80 ms of them, up to two thirds
+        builds its kernels (6-12 ms each on Zen 4), and a fresh engine's
+        first trial at one request paid 38-80 ms of them, up to two thirds
         of its reserve, booked as drafting's loss (docs/controller.md). The
         same counts on every rank (the dummy passes hold collectives).
         Returns (the largest count run, seconds taken)."""
