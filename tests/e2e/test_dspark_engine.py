@@ -82,7 +82,9 @@ def test_controller_learned_something(llm):
     assert snap["steps"] + snap["skipped_steps"] > 100 and snap["budget_tokens_total"] > 0
     assert snap["cost_model_mape"] is not None
     for key in ("plain_cost_params", "draft_cost_params"):  # both measured, neither left at the prior
-        assert snap[key]["t0"] != pytest.approx(prior[0], rel=1e-3), (key, snap[key])
+        fitted = tuple(snap[key][k] for k in ("t0", "t_req", "t_tok"))
+        # the whole fit, not one coefficient: a measured t0 may land on the prior's 5 ms (CI did)
+        assert fitted != pytest.approx(prior, rel=1e-3, abs=1e-7), (key, snap[key])
     greedy = snap["calibration"]["greedy"]
     assert any(e is not None for e in greedy["ece_raw"])
 
