@@ -58,10 +58,11 @@ measure it anew; what the models saw before fades meanwhile (cost_model.py,
 ``fade``), so those few steps set the price. Within that age the machine's
 drift is divided out: the nospec models learn in the units of a canary timed
 every few steps, and a price is in seconds at its pace now (pace.py). The
-canary is not trusted everywhere, so within an episode the price also
-follows down how far the episode's own verify steps sped up since it began,
-and a decode step's price is no more than its verify steps there take
-(drift.py).
+canary is not trusted everywhere, so within an episode the price is also
+set anew by the plain decode steps after each explore skip (gate.py,
+``price_steps``), follows down how far the episode's own verify steps sped
+up since the last of them, and a decode step's price is no more than its
+verify steps there take (drift.py).
 
 What an episode measured is kept per batch size (a power of two): it is
 gaining at the batch size of this step only (a gain banked at one request

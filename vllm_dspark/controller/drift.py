@@ -3,8 +3,9 @@ price: how far the machine sped up since the episode began (``factor``),
 and the most a plain step can cost now (``ceiling``).
 
 The exploration budget prices a speculating step against the no-spec models,
-which learn from plain steps only, and an episode runs none: its price holds
-the pace of the plain steps before it. The machine drifts within the
+which learn from plain steps only, and an episode runs them only after its
+explore skips (gate.py: ``price_steps`` every ``explore_every``): between
+them its price holds the pace of the plain steps before. The machine drifts within the
 episode: on the AMD EPYC Zen 4 host a live no-spec engine ran 3.5-7.5 ms a
 token from wave to wave while a c=1 episode was priced from two plain steps
 (4.79 ms), and booked 1.58 s gained where it gained 1.00 s; a capped engine

@@ -11,7 +11,12 @@ cut at each depth d <= K, picks the walk depth that saves the most.
 While drafting does not pay, probe steps draft anyway to keep the estimates
 fresh, paced so that they give up about ``probe_loss_budget`` of the
 throughput; while it pays, one step in ``explore_every`` skips, so the plain
-step's cost stays measured (it is what drafting is judged against).
+step's cost stays measured (it is what drafting is judged against), and
+once that is, ``price_steps`` more follow: the first skip verifies the last
+drafts, the ones after it are plain decode steps of this engine now, which
+price the episode against no speculation (budget.py: priced from the plain
+steps before it, an episode on the AMD EPYC Zen 4 host was off by up to 45%
+both ways for 2,000 steps).
 
 A verdict that drafting pays holds, unasked, for the next ``cruise_every``
 - 1 steps of the same batch (same requests, and the tokens its lengths
@@ -84,6 +89,8 @@ class DraftGate:
         t = tuning
         self._probe_every, self._max_probe_every = t.probe_every, t.max_probe_every
         self._budget, self._explore_every = t.probe_loss_budget, t.explore_every
+        self._price_steps = t.price_steps
+        self._pause = 0  # skips still due after an explore skip (its price steps)
         self._skips_in_row = 0  # skipped steps since the last drafting one
         self._since_skip = 0  # steps since the last skip
         self._cruise_every = t.cruise_every
@@ -147,7 +154,7 @@ class DraftGate:
         self._since_skip += 1
         # Drafting is judged against the plain step, and no other model can
         # stand in for it: until it is trusted, plain steps come at the probes' pace.
-        explore = self._since_skip >= (self._explore_every if costs.plain.trusted else self._probe_every)
+        explore = self._pause > 0 or self._since_skip >= (self._explore_every if costs.plain.trusted else self._probe_every)
         probe_every = self._probe_every
         # The drafting model is measured by every probe; the verify-step model
         # may never be (when the best lengths are 0, a probe verifies nothing).
@@ -161,10 +168,14 @@ class DraftGate:
         due = self._skips_in_row + 1
         probe = due >= 2 * probe_every or (due >= probe_every and not view.takes_prompts)
         if ((pays and not explore) or probe or trial) and contexts:
-            self._skips_in_row = 0
+            self._skips_in_row, self._pause = 0, 0
             self._pays = ((pays and not explore) or trial) and not once
             return True
         self._skips_in_row = 0 if explore else self._skips_in_row + 1
+        # At the explore pace ``price_steps`` more skips follow: the first skip verifies the last
+        # drafts, the ones after it are plain decode steps of this engine now, which price what
+        # drafting saves (costs.py).
+        self._pause = self._pause - 1 if self._pause else (self._price_steps if explore and costs.plain.trusted else 0)
         self._since_skip = 0
         return False
 
