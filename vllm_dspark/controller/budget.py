@@ -58,11 +58,11 @@ measure it anew; what the models saw before fades meanwhile (cost_model.py,
 ``fade``), so those few steps set the price. Within that age the machine's
 drift is divided out: the nospec models learn in the units of a canary timed
 every few steps, and a price is in seconds at its pace now (pace.py). The
-canary is not trusted everywhere, so within an episode the price is also
-set anew by the plain decode steps after each explore skip (gate.py,
-``price_steps``), follows down how far the episode's own verify steps sped
-up since the last of them, and a decode step's price is no more than its
-verify steps there take (drift.py).
+canary is not trusted everywhere, so within an episode the price also
+follows down how far the episode's own verify steps sped up since it began,
+and a decode step's price is no more than its verify steps there take, nor
+its price steps (the decode steps without drafts after each explore skip:
+gate.py, drift.py).
 
 What an episode measured is kept per batch size (a power of two): it is
 gaining at the batch size of this step only (a gain banked at one request
@@ -118,6 +118,11 @@ class ExplorationBudget:
         # Per batch-size class after a losing episode: (the balance it must regain, the losses in a row there).
         self._marks: dict[int, tuple[float, int]] = {}
         self._granted: set[int] = set()  # batch-size classes whose first reserve was granted
+
+    @property
+    def price(self) -> dict | None:
+        """The last price of a plain decode step, and its batch size (None: none yet)."""
+        return {"seconds": self._step, "requests": self._step_reqs} if self._step else None
 
     @property
     def ready(self) -> bool:

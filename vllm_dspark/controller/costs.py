@@ -176,10 +176,6 @@ class StepCosts:
         target.observe(s.reqs, s.tokens, target_seconds)
         if s.plain:
             self.observe_plain(s.reqs, s.tokens, s.seconds)
-        elif not (s.verifies or s.drafted) and s.tokens == s.reqs:
-            # A decode step that neither verified nor drafted (a price pair's second: gate.py) is a plain
-            # step of this engine, now; what the drafting path took in it (the rule) is speculation's.
-            self.observe_plain(s.reqs, s.tokens, s.seconds - s.draft_seconds)
         else:  # what no speculation costs was measured a step longer ago
             self.nospec.fade()
             self.decode.fade()

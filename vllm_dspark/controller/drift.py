@@ -3,9 +3,8 @@ price: how far the machine sped up since the episode began (``factor``),
 and the most a plain step can cost now (``ceiling``).
 
 The exploration budget prices a speculating step against the no-spec models,
-which learn from plain steps only, and an episode runs them only after its
-explore skips (gate.py: ``price_steps`` every ``explore_every``): between
-them its price holds the pace of the plain steps before. The machine drifts within the
+which learn from plain steps only, and an episode runs none: its price holds
+the pace of the plain steps before it. The machine drifts within the
 episode: on the AMD EPYC Zen 4 host a live no-spec engine ran 3.5-7.5 ms a
 token from wave to wave while a c=1 episode was priced from two plain steps
 (4.79 ms), and booked 1.58 s gained where it gained 1.00 s; a capped engine
@@ -38,7 +37,15 @@ costs no less than a plain step of as many requests: within an episode a
 plain decode step is priced at no more than the least, over the shapes
 verified at as many requests, of the median of each one's last
 ``drift_shape_steps`` (``ceiling``; the one-draft shape's, mostly: all
-verify steps' median sat 1.3-1.6x above a plain step at c=1 there). A
+verify steps' median sat 1.3-1.6x above a plain step at c=1 there). The
+price steps after an episode's explore skips (gate.py) are a shape of their
+own: a decode step that neither verifies nor drafts, which runs the
+awake engine's path (the target's aux hidden states for the drafter's
+context, the speculative metadata; the rule's time taken out) and costs no
+less than a dormant plain step, 2-3% more at c=1 on the Zen 4 host
+(traced: 4.50 ms against 4.38 ms). Teaching the no-spec models, they would
+price the episode that much high; as a ceiling, they bring a stale price
+to within that of the machine's pace now. A
 shape's first ``drift_shape_steps // 2`` runs are its warm-up and stay out
 of its reference time for the factor (a first run took 11-21 ms among
 7-9 ms ones: costs.py). Times are in the pace's
@@ -104,14 +111,16 @@ class EpisodeDrift:
         """A speculating step."""
         if self._decode.observations != self._anchor:  # plain steps priced it anew meanwhile
             self._restart(self._rows)
-        if not s.verifies or s.tokens - s.draft_tokens != s.reqs:
+        priced = not (s.verifies or s.drafted) and s.tokens == s.reqs  # a price step (gate.py)
+        if not (priced or (s.verifies and s.tokens - s.draft_tokens == s.reqs)):
             return
-        target = max(s.seconds - (s.draft_seconds if s.drafted else 0.0), 1e-6)
+        # The rule's time (a price step runs it) and the drafter's are speculation's, not the target's.
+        target = max(s.seconds - s.draft_seconds, 1e-6)
         times = self._verified.setdefault(s.reqs, {}).setdefault(s.tokens, deque(maxlen=self._per_shape))
         times.append(target)
         if len(times) == self._per_shape:
             self._ceilings.setdefault(s.reqs, {})[s.tokens] = median(times)
-        if self._rows is None or s.reqs.bit_length() != self._rows:
+        if priced or self._rows is None or s.reqs.bit_length() != self._rows:
             return
         self._seen += 1
         if self._seen <= self._window:  # context still building, shapes running for the first time

@@ -13,10 +13,10 @@ fresh, paced so that they give up about ``probe_loss_budget`` of the
 throughput; while it pays, one step in ``explore_every`` skips, so the plain
 step's cost stays measured (it is what drafting is judged against), and
 once that is, ``price_steps`` more follow: the first skip verifies the last
-drafts, the ones after it are plain decode steps of this engine now, which
-price the episode against no speculation (budget.py: priced from the plain
-steps before it, an episode on the AMD EPYC Zen 4 host was off by up to 45%
-both ways for 2,000 steps).
+drafts, the ones after it are decode steps of this engine now that neither
+verify nor draft, which cap the episode's no-spec price (drift.py: priced
+from the plain steps before it, an episode on the AMD EPYC Zen 4 host was
+off by up to 45% for 2,000 steps).
 
 A verdict that drafting pays holds, unasked, for the next ``cruise_every``
 - 1 steps of the same batch (same requests, and the tokens its lengths
@@ -173,8 +173,7 @@ class DraftGate:
             return True
         self._skips_in_row = 0 if explore else self._skips_in_row + 1
         # At the explore pace ``price_steps`` more skips follow: the first skip verifies the last
-        # drafts, the ones after it are plain decode steps of this engine now, which price what
-        # drafting saves (costs.py).
+        # drafts, the ones after it are decode steps without drafts, which cap the price (drift.py).
         self._pause = self._pause - 1 if self._pause else (self._price_steps if explore and costs.plain.trusted else 0)
         self._since_skip = 0
         return False

@@ -67,6 +67,7 @@ class ControllerSnapshot:
     pace_factor: float = 1.0  # the budget's prices now over the first canary's pace (pace.py)
     pace_trust: float = 0.0  # how far the steps bear the canary out (0 to 1)
     price_drift: float = 1.0  # how far the open episode's verify steps lowered its price (drift.py)
+    decode_price: dict | None = None  # the budget's last price of a plain decode step: seconds, requests
     calibration: dict | None = None  # per mode: alpha, beta, ECE raw and calibrated per position
     load: dict | None = None  # the last step's LoadSignals
 
@@ -158,7 +159,7 @@ class Telemetry:
             cost_model_mape=costs.mape(), calibration=acceptance.state(),
             load=load._asdict() if load else None, speculation_excess=budget.loss_share(),
             budget_balance_s=budget.balance, pace_factor=costs.pace.factor,
-            pace_trust=costs.pace.trust, price_drift=budget.drift.factor,
+            pace_trust=costs.pace.trust, price_drift=budget.drift.factor, decode_price=budget.price,
             **costs.params_json())
 
     def log(self, snapshot: ControllerSnapshot) -> None:

@@ -67,7 +67,7 @@ class ControllerTuning:
     max_probe_every: int = 1024  # the longest gap between probes
     probe_loss_budget: float = 0.005  # throughput probes may give up, paced by their predicted loss
     explore_every: int = 256  # drafting steps between plain ones that keep the plain step measured
-    price_steps: int = 3  # plain decode steps after each explore skip, pricing what drafting saves now: more is steadier, each gives up a drafting step
+    price_steps: int = 3  # decode steps without drafts after each explore skip, capping the price (drift.py): more caps sooner, each gives up a drafting step
     cruise_every: int = 8  # drafting steps per full rule while the batch and its verdict hold: fewer reacts sooner, costs more
     # Adaptive lengths (policies.py)
     vary_lengths_every: int = 32  # drafting steps per length shift while the per-token cost is unidentified
