@@ -3,6 +3,7 @@
     python benchmarks/bench_dormant_floor.py                 # c = 16 and 64, 40 pairs each, ~6 min
     python benchmarks/bench_dormant_floor.py --concurrency 16 --pairs 20
     python benchmarks/bench_dormant_floor.py --in-engine     # the hooks' own cost, c = 1, 4, 16, 64, ~4 min
+    python benchmarks/bench_dormant_floor.py --awake         # the awake path's cost, c = 1 and 4, ~6 min
 
 Under sustained load the adaptive controller goes dormant and drafts almost
 nothing, so no-spec is the arm it is measured against, and what it can reach
@@ -19,6 +20,14 @@ difference of the means, per round of waves, is what DSpark's hooks cost a
 dormant step (a mean: the rule's steps and the pace canary run on one step
 in several, and throughput pays them; a median leaves them out, and is kept
 beside it). Writes dormant_hooks.json and its PNG.
+
+``--awake`` measures what a step without drafts costs an awake engine
+(the target's aux hidden states for the drafter's context, the speculative
+metadata, the rule, the drafter's context queued): the path an episode's
+explore and price steps take (gate.py), and every drafting step's floor.
+One engine, held dormant and held awake skipping the drafter on every step
+by turns, a round of waves each, ABBA: awake / dormant per pair. Writes
+awake_path.json and its PNG.
 
 Holding the engine dormant patches its worker through collective_rpc with a
 function, which vLLM only accepts with VLLM_ALLOW_INSECURE_SERIALIZATION=1;
@@ -46,6 +55,70 @@ def hold_dormant(worker) -> bool:
     dormancy.wake = lambda: None  # neither the models nor the exploration budget end it
     dormancy.sleep()
     return True
+
+
+def hold(worker, mode: str) -> bool:
+    """Runs in the worker: hold the controller dormant (as hold_dormant) or,
+    ``mode`` "awake", awake with the drafter skipped on every step (its
+    requests admitted with context, as in an episode), until the next call."""
+    from vllm_dspark.controller.plan import StepPlan
+
+    ctl = worker.model_runner.dspark
+    dormancy = ctl.dormancy
+    for name in ("wake", "sleep", "plan"):  # undo the last hold
+        vars(dormancy).pop(name, None)
+        vars(ctl).pop(name, None)
+    if mode == "dormant":
+        dormancy.wake = lambda: None
+        dormancy.sleep()
+        return True
+    dormancy.wake()
+    dormancy.sleep = lambda: None
+
+    def skip_every_step(requests):
+        ctl._admit(requests)
+        ctl._skip()
+        return StepPlan("skip", ctl.depth, ctl.ledger.among(requests.req_ids))
+
+    ctl.plan = skip_every_step
+    return True
+
+
+def awake_path(args, prompts: list[str]) -> list[dict]:
+    from bench_dspark import pair_summary
+
+    from vllm_dspark.benchmarking import TINY_DRAFTER, TINY_TARGET, measure_offline, start_engine, stop_engine
+
+    spec = {"method": "dspark", "model": str(REPO / TINY_DRAFTER), "num_speculative_tokens": 7}
+    held = start_engine(str(REPO / TINY_TARGET), max(args.concurrency), spec=spec,
+                        knobs={"persist_cost_model": False})
+    rows = []
+    try:
+        for mode in ("awake", "dormant"):
+            held.collective_rpc(hold, args=(mode,))
+            measure_offline(held, prompts[:4], 4, 16)  # warm-up
+        for c in args.concurrency:
+            n = c * max(2, 4 // c)
+            rates, kinds = [], {mode: {"plain_steps": 0, "skipped_steps": 0, "verified_blocks": 0}
+                                for mode in ("awake", "dormant")}
+            for i in range(args.pairs):
+                tps = {}
+                for mode in ("awake", "dormant") if i % 2 == 0 else ("dormant", "awake"):
+                    held.collective_rpc(hold, args=(mode,))
+                    before = held.collective_rpc("dspark_snapshot")[0]
+                    tps[mode] = measure_offline(held, prompts[:n], c, args.max_tokens).tokens_per_s
+                    after = held.collective_rpc("dspark_snapshot")[0]
+                    for key in kinds[mode]:  # integrity: awake rounds skip, dormant ones run plain, none drafts
+                        kinds[mode][key] += after[key] - before[key]
+                rates.append((tps["awake"], tps["dormant"]))
+            row = {"c": c, **pair_summary(rates), "steps": kinds}
+            rows.append(row)
+            print(f"[floor] c={c}: held awake / held dormant = {row['median']:.3f} (median of {args.pairs} "
+                  f"pairs; 90% interval {row['interval90'][0]:.2f}-{row['interval90'][1]:.2f}; steps {kinds})",
+                  flush=True)
+    finally:
+        stop_engine(held)
+    return rows
 
 
 def time_steps(worker) -> bool:
@@ -161,8 +234,9 @@ def plot(record: dict, path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.axhline(1.0, color="grey", linewidth=1)
+    what = "held awake skipping the drafter / held dormant" if record.get("awake") else "held dormant / no-spec"
     plot_pairs(ax, [(f"c={row['c']}", row) for row in record["concurrency"]],
-               "DSpark engine held dormant / no-spec, per pair (bar: median)")
+               f"DSpark engine {what}, per pair (bar: median)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -174,11 +248,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "latest" / "dormant_floor.json")
     ap.add_argument("--in-engine", action="store_true", help="the hooks' cost in one engine (see above)")
+    ap.add_argument("--awake", action="store_true", help="the awake path's cost in one engine (see above)")
     args = ap.parse_args(argv)
-    args.concurrency = args.concurrency or ([1, 4, 16, 64] if args.in_engine else [16, 64])
-    args.pairs = args.pairs or (20 if args.in_engine else 40)
-    if args.in_engine and args.out == ap.get_default("out"):
-        args.out = args.out.with_name("dormant_hooks.json")
+    args.concurrency = args.concurrency or ([1, 4, 16, 64] if args.in_engine else [1, 4] if args.awake else [16, 64])
+    args.pairs = args.pairs or (20 if args.in_engine or args.awake else 40)
+    if args.out == ap.get_default("out") and (args.in_engine or args.awake):
+        args.out = args.out.with_name("dormant_hooks.json" if args.in_engine else "awake_path.json")
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     import tempfile
 
@@ -191,6 +266,14 @@ def main(argv=None) -> dict:
     from vllm_dspark.training.prompts import load_prompts
 
     prompts = [p["text"] for p in load_prompts()]
+    if args.awake:
+        t0 = time.time()
+        rows = awake_path(args, prompts)
+        record = {"command": " ".join(["python", "benchmarks/bench_dormant_floor.py", *(argv or sys.argv[1:])]),
+                  "machine": machine_info(), "max_tokens": args.max_tokens, "awake": True, "concurrency": rows,
+                  "wall_seconds": round(time.time() - t0, 1)}
+        write_record(record, args.out, plot, "floor")
+        return record
     if args.in_engine:
         t0 = time.time()
         rows = in_engine(args, prompts)
