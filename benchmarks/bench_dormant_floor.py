@@ -69,9 +69,7 @@ def hold(worker, mode: str) -> bool:
         vars(dormancy).pop(name, None)
         vars(ctl).pop(name, None)
     if mode == "dormant":
-        dormancy.wake = lambda: None
-        dormancy.sleep()
-        return True
+        return hold_dormant(worker)
     dormancy.wake()
     dormancy.sleep = lambda: None
 
@@ -84,15 +82,20 @@ def hold(worker, mode: str) -> bool:
     return True
 
 
+def _held_engine(args):
+    """The DSpark engine (K=7, defaults, no persisted costs) the in-engine measurements hold."""
+    from vllm_dspark.benchmarking import TINY_DRAFTER, TINY_TARGET, start_engine
+
+    spec = {"method": "dspark", "model": str(REPO / TINY_DRAFTER), "num_speculative_tokens": 7}
+    return start_engine(str(REPO / TINY_TARGET), max(args.concurrency), spec=spec, knobs={"persist_cost_model": False})
+
+
 def awake_path(args, prompts: list[str]) -> list[dict]:
     from bench_dspark import pair_summary
 
-    from vllm_dspark.benchmarking import TINY_DRAFTER, TINY_TARGET, measure_offline, start_engine, stop_engine
+    from vllm_dspark.benchmarking import measure_offline, stop_engine
 
-    spec = {"method": "dspark", "model": str(REPO / TINY_DRAFTER), "num_speculative_tokens": 7}
-    held = start_engine(str(REPO / TINY_TARGET), max(args.concurrency), spec=spec,
-                        knobs={"persist_cost_model": False})
-    rows = []
+    held, rows = _held_engine(args), []
     try:
         for mode in ("awake", "dormant"):
             held.collective_rpc(hold, args=(mode,))
@@ -169,12 +172,9 @@ def in_engine(args, prompts: list[str]) -> list[dict]:
 
     from bench_dspark import bootstrap_median_interval
 
-    from vllm_dspark.benchmarking import TINY_DRAFTER, TINY_TARGET, measure_offline, start_engine, stop_engine
+    from vllm_dspark.benchmarking import measure_offline, stop_engine
 
-    spec = {"method": "dspark", "model": str(REPO / TINY_DRAFTER), "num_speculative_tokens": 7}
-    held = start_engine(str(REPO / TINY_TARGET), max(args.concurrency), spec=spec,
-                        knobs={"persist_cost_model": False})
-    rows = []
+    held, rows = _held_engine(args), []
     try:
         held.collective_rpc(hold_dormant)
         measure_offline(held, prompts[:4], 4, 16)  # warm-up

@@ -1036,9 +1036,9 @@ def test_a_price_set_in_a_slow_spell_is_capped_at_what_the_episodes_verify_steps
 def test_explore_skips_bring_price_steps_once_the_plain_step_is_measured():
     """While drafting pays, an explore skip every ``explore_every`` steps is
     followed by ``price_steps`` more once the plain model is trusted: the
-    first verifies the last drafts, the others are plain decode steps of
-    this engine now (what prices the episode: costs.py). Before it is
-    trusted, single skips at the probes' pace."""
+    first verifies the last drafts, the others are decode steps without
+    drafts of this engine now (which cap the episode's price: drift.py).
+    Before it is trusted, single skips at the probes' pace."""
     from vllm_dspark.controller.gate import DraftGate
     from vllm_dspark.controller.plan import NO_STEP
 
