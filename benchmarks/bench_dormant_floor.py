@@ -26,8 +26,9 @@ beside it). Writes dormant_hooks.json and its PNG.
 metadata, the rule, the drafter's context queued): the path an episode's
 explore and price steps take (gate.py), and every drafting step's floor.
 One engine, held dormant and held awake skipping the drafter on every step
-by turns, a round of waves each, ABBA: awake / dormant per pair. Writes
-awake_path.json and its PNG.
+by turns, a round of waves each, ABBA: awake / dormant per pair; a no-spec
+engine runs a round in each pair too (first or last, by turns), the
+baseline both are read against. Writes awake_path.json and its PNG.
 
 Holding the engine dormant patches its worker through collective_rpc with a
 function, which vLLM only accepts with VLLM_ALLOW_INSECURE_SERIALIZATION=1;
@@ -93,34 +94,45 @@ def _held_engine(args):
 def awake_path(args, prompts: list[str]) -> list[dict]:
     from bench_dspark import pair_summary
 
-    from vllm_dspark.benchmarking import measure_offline, stop_engine
+    from vllm_dspark.benchmarking import TINY_TARGET, measure_offline, start_engine, stop_engine
 
+    nospec = start_engine(str(REPO / TINY_TARGET), max(args.concurrency))
     held, rows = _held_engine(args), []
     try:
+        measure_offline(nospec, prompts[:4], 4, 16)  # warm-up
         for mode in ("awake", "dormant"):
             held.collective_rpc(hold, args=(mode,))
-            measure_offline(held, prompts[:4], 4, 16)  # warm-up
+            measure_offline(held, prompts[:4], 4, 16)
         for c in args.concurrency:
             n = c * max(2, 4 // c)
             rates, kinds = [], {mode: {"plain_steps": 0, "skipped_steps": 0, "verified_blocks": 0}
                                 for mode in ("awake", "dormant")}
             for i in range(args.pairs):
+                modes = ("awake", "dormant") if i % 2 == 0 else ("dormant", "awake")
                 tps = {}
-                for mode in ("awake", "dormant") if i % 2 == 0 else ("dormant", "awake"):
+                for mode in ("nospec", *modes) if i % 4 < 2 else (*modes, "nospec"):
+                    if mode == "nospec":
+                        tps[mode] = measure_offline(nospec, prompts[:n], c, args.max_tokens).tokens_per_s
+                        continue
                     held.collective_rpc(hold, args=(mode,))
                     before = held.collective_rpc("dspark_snapshot")[0]
                     tps[mode] = measure_offline(held, prompts[:n], c, args.max_tokens).tokens_per_s
                     after = held.collective_rpc("dspark_snapshot")[0]
                     for key in kinds[mode]:  # integrity: awake rounds skip, dormant ones run plain, none drafts
                         kinds[mode][key] += after[key] - before[key]
-                rates.append((tps["awake"], tps["dormant"]))
-            row = {"c": c, **pair_summary(rates), "steps": kinds}
+                rates.append((tps["awake"], tps["dormant"], tps["nospec"]))
+            row = {"c": c, **pair_summary([(a, d) for a, d, _ in rates]), "steps": kinds,
+                   "nospec_tok_s": [r[2] for r in rates],
+                   "awake_vs_nospec": pair_summary([(a, s) for a, _, s in rates]),
+                   "dormant_vs_nospec": pair_summary([(d, s) for _, d, s in rates])}
             rows.append(row)
             print(f"[floor] c={c}: held awake / held dormant = {row['median']:.3f} (median of {args.pairs} "
-                  f"pairs; 90% interval {row['interval90'][0]:.2f}-{row['interval90'][1]:.2f}; steps {kinds})",
-                  flush=True)
+                  f"pairs; 90% interval {row['interval90'][0]:.2f}-{row['interval90'][1]:.2f}); against no-spec "
+                  f"awake {row['awake_vs_nospec']['median']:.3f}, dormant {row['dormant_vs_nospec']['median']:.3f}; "
+                  f"steps {kinds}", flush=True)
     finally:
-        stop_engine(held)
+        for llm in (nospec, held):
+            stop_engine(llm)
     return rows
 
 
@@ -260,27 +272,19 @@ def main(argv=None) -> dict:
     os.environ.setdefault("VLLM_DSPARK_CACHE_DIR", tempfile.mkdtemp(prefix="dspark_cache_"))
     from bench_dspark import pair_summary
 
-    from vllm_dspark.benchmarking import (TINY_DRAFTER, TINY_TARGET, measure_head_to_head, measure_offline,
-                                          start_engine, stop_engine, write_record)
+    from vllm_dspark.benchmarking import (ENGINE_DEFAULTS, TINY_DRAFTER, TINY_TARGET, measure_head_to_head,
+                                          measure_offline, start_engine, stop_engine, write_record)
     from vllm_dspark.fingerprint import machine_info
     from vllm_dspark.training.prompts import load_prompts
 
     prompts = [p["text"] for p in load_prompts()]
-    if args.awake:
+    if args.awake or args.in_engine:  # one engine held (and, --awake, a no-spec one beside it)
         t0 = time.time()
-        rows = awake_path(args, prompts)
+        rows = (awake_path if args.awake else in_engine)(args, prompts)
         record = {"command": " ".join(["python", "benchmarks/bench_dormant_floor.py", *(argv or sys.argv[1:])]),
-                  "machine": machine_info(), "max_tokens": args.max_tokens, "awake": True, "concurrency": rows,
-                  "wall_seconds": round(time.time() - t0, 1)}
-        write_record(record, args.out, plot, "floor")
-        return record
-    if args.in_engine:
-        t0 = time.time()
-        rows = in_engine(args, prompts)
-        record = {"command": " ".join(["python", "benchmarks/bench_dormant_floor.py", *(argv or sys.argv[1:])]),
-                  "machine": machine_info(), "max_tokens": args.max_tokens, "concurrency": rows,
-                  "wall_seconds": round(time.time() - t0, 1)}
-        write_record(record, args.out, plot_hooks, "floor")
+                  "machine": machine_info(), "dtype": ENGINE_DEFAULTS["dtype"], "max_tokens": args.max_tokens,
+                  "awake": args.awake, "concurrency": rows, "wall_seconds": round(time.time() - t0, 1)}
+        write_record(record, args.out, plot if args.awake else plot_hooks, "floor")
         return record
     top = max(args.concurrency)
     spec = {"method": "dspark", "model": str(REPO / TINY_DRAFTER), "num_speculative_tokens": 7}
