@@ -111,8 +111,8 @@ class EpisodeDrift:
         """A speculating step."""
         if self._decode.observations != self._anchor:  # plain steps priced it anew meanwhile
             self._restart(self._rows)
-        priced = not (s.verifies or s.drafted) and s.tokens == s.reqs  # a price step (gate.py)
-        if not (priced or (s.verifies and s.tokens - s.draft_tokens == s.reqs)):
+        price_step = not (s.verifies or s.drafted) and s.tokens == s.reqs  # gate.py
+        if not (price_step or (s.verifies and s.tokens - s.draft_tokens == s.reqs)):
             return
         # The rule's time (a price step runs it) and the drafter's are speculation's, not the target's.
         target = max(s.seconds - s.draft_seconds, 1e-6)
@@ -120,7 +120,7 @@ class EpisodeDrift:
         times.append(target)
         if len(times) == self._per_shape:
             self._ceilings.setdefault(s.reqs, {})[s.tokens] = median(times)
-        if priced or self._rows is None or s.reqs.bit_length() != self._rows:
+        if price_step or self._rows is None or s.reqs.bit_length() != self._rows:
             return
         self._seen += 1
         if self._seen <= self._window:  # context still building, shapes running for the first time
