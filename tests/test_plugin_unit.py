@@ -462,6 +462,33 @@ def test_dormant_steps_run_without_speculation_and_leave_no_context():
         assert ran[4] == (spec, True, (1, 3))
 
 
+def test_a_dormant_runner_s_probe_runs_the_speculative_path_between_plain_steps():
+    """Dormant, the step after one of the rule's checks now and then runs
+    vLLM's speculative path without drafts (a probe of the awake path:
+    awake.py): spec config, aux outputs and layers on for that step alone,
+    the steps either side plain, none coasting through it; its time over
+    the run before the check is what the controller learns."""
+    from vllm_dspark.controller.cost_model import CostParams
+    from vllm_dspark.controller.tuning import ControllerTuning
+
+    every = ControllerTuning().dormant_recheck_every
+    with _mock_runner() as runner:
+        ctl = runner.dspark
+        for model in (ctl.costs.nospec, ctl.costs.decode):
+            model.pin(CostParams(5e-3, 0.0, 0.0), "test")
+        ctl.dormancy.sleep()
+        ctl.dormancy.wake = lambda: None  # held dormant
+        runner.step(new=["a", "b"])
+        for _ in range(8 * every):
+            runner.step()
+        plain, awake = (None, False, ()), (runner.spec, True, (1, 3))
+        probes = [i for i, r in enumerate(runner.ran) if r == awake]
+        assert probes and all(r in (plain, awake) for r in runner.ran), runner.ran
+        assert all(runner.ran[i - 1] == runner.ran[i + 1] == plain for i in probes if i + 1 < len(runner.ran))
+        assert ctl.budget.awake.state()["2"]["probes"] >= len(probes) - 1
+        assert ctl.ledger.among(["a", "b"]) == {"a", "b"}  # neither keeps drafter context
+
+
 def test_a_dormant_runner_asks_the_controller_once_a_coasting_run():
     """Dormant (the budget able to price steps), the runner asks ``coasts``
     on a run's first step only, coasts the rest of the run unasked while the
@@ -471,9 +498,12 @@ def test_a_dormant_runner_asks_the_controller_once_a_coasting_run():
     from vllm_dspark.controller.cost_model import CostParams
     from vllm_dspark.controller.tuning import ControllerTuning
 
+    from vllm_dspark.controller.awake import AwakeProbes
+
     every = ControllerTuning().dormant_recheck_every
     with _mock_runner() as runner:
         ctl = runner.dspark
+        ctl.budget.awake = AwakeProbes(ControllerTuning(awake_probe_window=0))  # no probes (the next test's)
         for model in (ctl.costs.nospec, ctl.costs.decode):
             model.pin(CostParams(5e-3, 0.0, 0.0), "test")
         asked, coasts = [], ctl.coasts

@@ -22,6 +22,7 @@ Exported (all prefixed vllm_dspark:):
   contextless_requests_total    counter  requests admitted while dormant (no speculation)
   dormant                       gauge    1 while new requests get no drafter context
   plain_steps_total             counter  steps run without vLLM's speculative paths (dormant)
+  probe_steps_total             counter  dormant steps run awake without drafts, timed (awake.py)
   calibration_ece{mode,position,kind}  raw / calibrated, per draft position
 """
 
@@ -183,6 +184,9 @@ class DSparkCollector:
                                   "was dormant: served without speculation.", value=snap.contextless_requests)
         yield CounterMetricFamily(PREFIX + "plain_steps", "Steps run as steps without speculation "
                                   "(the controller was dormant).", value=snap.plain_steps)
+        yield CounterMetricFamily(PREFIX + "probe_steps", "Dormant steps run with the speculative paths but "
+                                  "no drafts, timed against plain ones (the awake path's share).",
+                                  value=snap.probe_steps)
         yield GaugeMetricFamily(PREFIX + "dormant", "1 while requests are admitted without drafter context "
                                 "(drafting has not paid for a while), else 0.", value=float(snap.dormant))
         pace = GaugeMetricFamily(PREFIX + "machine_pace", "The exploration budget's step prices now over those "

@@ -209,9 +209,9 @@ def test_no_episode_starts_at_a_batch_size_the_nospec_model_has_not_measured():
         b.settle(StepSample(4, 4, False, 2 * STEP, 0.0, 0, plain=True))
     assert b.affords_episode(False, 4) and not b.affords_episode(True, 1)
     d = Dormancy(TUNING, 32, b)
-    assert d.dormant and not any(d.unrecorded(0, False, measured=lambda: False) for _ in range(8))
+    assert d.dormant and not any(d.unrecorded(True, measured=lambda: False) for _ in range(8))
     every = TUNING.dormant_record_every
-    assert sum(d.unrecorded(0, False, measured=lambda: True) for _ in range(4 * every)) == 3 * every
+    assert sum(d.unrecorded(True, measured=lambda: True) for _ in range(4 * every)) == 3 * every
     steps = 0
     while not b.affords_episode(False, 1):
         nospec.observe(1, 1, STEP)
@@ -497,7 +497,9 @@ def test_a_step_at_fewer_requests_does_not_cut_the_balance_to_its_lower_cap():
 def test_a_gaining_episode_keeps_its_explore_steps():
     """A measured gain drafts against the models' verdict, but keeps the
     explore steps that measure the plain step it is judged against; an
-    exploring episode's first steps skip none."""
+    exploring episode's first steps skip none, unless dormancy asks for
+    their price steps: then one explore skip and ``price_steps`` more, plain
+    model trusted or not (they floor the trial's price: drift.py)."""
     from vllm_dspark.controller.gate import DraftGate
     from vllm_dspark.controller.plan import NO_STEP
 
@@ -506,8 +508,37 @@ def test_a_gaining_episode_keeps_its_explore_steps():
         gate, costs = DraftGate(7, TUNING, None), _costs()
         drafted = [gate.drafts(-1.0, STEP, 1, NO_STEP, costs, **kind) for _ in range(steps)]
         assert drafted.count(False) == skips, kind
+    gate, at = DraftGate(7, TUNING, None), TUNING.trial_price_at
+    drafted = [gate.drafts(-1.0, STEP, 1, NO_STEP, costs, trial=True, price=i == at) for i in range(steps)]
+    run = 1 + TUNING.price_steps
+    assert drafted[at:at + run] == [False] * run and drafted.count(False) == run, drafted
 
 
+def test_a_trial_takes_its_price_steps_once_it_has_drafted_enough_and_books_a_loss():
+    """Once a trial, after ``trial_price_at`` drafting steps, and only while
+    the budget books it losing at its batch size: a trial booked gaining has
+    nothing a higher price would change (a lucky stretch it skipped cost the
+    simulator's trials their verdict: 1.212x to 1.198x no-spec on its flat
+    CPU curve at one request, 16 seeds). A new trial takes its own."""
+    from vllm_dspark.controller.dormancy import Dormancy
+
+    b = _budget()
+    b.settle(_plain())
+    d = Dormancy(TUNING, 32, b)
+    for losing in (False, True, True):
+        d.sleep()
+        if b.episode_open:
+            b.close()
+        b.balance = 1.0
+        d.heed(True, 0.0, 1)
+        assert d.exploring
+        b._gain = {1: (1e-3 if losing else -1e-3, 1)}
+        asked = []
+        for _ in range(TUNING.trial_steps):
+            asked.append(d.price_due(1))
+            d.remember(False)
+        assert asked.count(True) == losing, asked
+        assert not losing or asked.index(True) == TUNING.trial_price_at, asked
 def _costs():
     from vllm_dspark.controller.costs import StepCosts
 
@@ -1055,7 +1086,15 @@ def test_explore_skips_bring_price_steps_once_the_plain_step_is_measured():
     assert all(b - a == every + run - 1 for a, b in zip(starts, starts[1:])), skips
 
 
-def _price_stepped_episode(price: float, price_steps: int, seed: int):
+def _probe_awake(awake, share: float, reqs: int = 1) -> None:
+    """``awake`` (AwakeProbes) measures an awake step at 1 + ``share`` times a plain one, window full."""
+    for n in range(TUNING.awake_probe_window):
+        awake.arm(n * TUNING.awake_probe_every, (reqs, reqs, STEP))
+        assert awake.armed and awake.probing(reqs, reqs)
+        awake.observe(StepSample(reqs, reqs, False, STEP * (1 + share) + 1e-4, 1e-4, 0, plain=False))
+
+
+def _price_stepped_episode(price: float, price_steps: int, seed: int, awake_share: float | None = None):
     """A c=1 episode priced from plain steps of ``price`` seconds, then run
     at the true pace: a plain step takes 5 ms, a verify step of 1 + d tokens
     6.5 + 0.05 d ms of target (1.3x a plain one, as on the Zen 4 host) and
@@ -1064,9 +1103,12 @@ def _price_stepped_episode(price: float, price_steps: int, seed: int):
     drafts (5 ms of target, 0.1 ms of the rule), then a step that drafts and
     verifies none. 5% noise, seeded. Returns the budget, the cost models and
     the booked excess, the true one and no speculation's time after the
-    third explore skip."""
+    third explore skip. ``awake_share``: probes measured the awake path
+    at that share before (None: none did)."""
     every = TUNING.explore_every
     b, costs, rng, step = _c1_episode(price, seed)
+    if awake_share is not None:
+        _probe_awake(b.awake, awake_share)
     booked, true, nospec, path = 0.0, 0.0, 0.0, 1e-4
     for n in range(8 * every):
         d, noise = rng.randint(1, 7), math.exp(rng.gauss(0, 0.05))
@@ -1096,9 +1138,11 @@ def test_an_episode_s_price_steps_cap_a_stale_price_at_the_machine_s_pace_now(se
     does now (here; on the Zen 4 host 2-3% more): as a ceiling they book the
     excess to within 5% of no speculation's time of the true one after the
     third explore skip (seeds 0-19: within 4.0%; -29% with single explore
-    skips). They teach the no-spec models nothing, and a price set low (a
-    fast spell, 0.8x) stays: a ceiling never raises a price (a pessimistic
-    one ends a gaining episode early, an optimistic one would hide a loss)."""
+    skips). They teach the no-spec models nothing. A price set low (a fast
+    spell, 0.8x) the ceiling leaves, and their floor raises, once probes
+    have measured what the awake path costs over a plain step (awake.py):
+    to their median less that share (here 0, and 4%). Unmeasured, nothing
+    floors it (a share taken low would floor it high)."""
     b, costs, booked, true, nospec = _price_stepped_episode(1.4 * STEP, TUNING.price_steps, seed)
     assert true > 0.01 * nospec, (seed, true / nospec)  # drafting loses at the true pace
     assert abs(booked - true) < 0.05 * nospec, (seed, booked / nospec, true / nospec)
@@ -1108,3 +1152,55 @@ def test_an_episode_s_price_steps_cap_a_stale_price_at_the_machine_s_pace_now(se
     assert booked < -0.1 * nospec, (seed, booked / nospec)  # single explore skips: the stale price books a gain
     b, *_ = _price_stepped_episode(0.8 * STEP, TUNING.price_steps, seed)
     assert b._step == pytest.approx(0.8 * STEP, rel=0.05)
+    for share in (0.0, 0.04):
+        b, *_ = _price_stepped_episode(0.8 * STEP, TUNING.price_steps, seed, awake_share=share)
+        assert b.awake.share(1) == pytest.approx(share, abs=1e-9)
+        assert b._step == pytest.approx(STEP / (1 + share), rel=0.05)
+
+
+def _slow_spell_trial(price_steps: int, seed: int, awake_share: float | None = 0.03):
+    """A c=1 trial priced from plain steps of 5 ms, as a 2x slow spell begins
+    with it: its verify steps of 1 + d tokens then take 2 x (6.5 + 0.05 d) ms
+    of target and 1 ms of drafting and save 1.5 plain steps (of 10 ms now);
+    after ``trial_price_at`` of them an explore skip that verifies and
+    ``price_steps`` decode steps without drafts (10 ms of target, 0.1 ms of
+    the rule; gate.py); probes measured the awake path at ``awake_share``
+    before (None: none did). 5% noise, seeded. Returns the budget and the
+    booked and true excess over the steps after the price steps."""
+    b, costs, rng, step = _c1_episode(STEP, seed)
+    if awake_share is not None:
+        _probe_awake(b.awake, awake_share)
+    booked, true, path = 0.0, 0.0, 1e-4
+    for n in range(4 * TUNING.trial_steps):
+        d, noise = rng.randint(1, 7), math.exp(rng.gauss(0, 0.05))
+        steps = [StepSample(1, 1 + d, True, 2 * STEP * (1.3 + 0.01 * d) * noise + 1e-3, 1e-3, 1, plain=False,
+                            draft_tokens=d, accepted=2, saved=1.5)]
+        if n == TUNING.trial_price_at:
+            steps = [steps[0]._replace(drafted=0, seconds=steps[0].seconds - 1e-3 + path, draft_seconds=path)]
+            steps += [StepSample(1, 1, False, 2 * STEP * math.exp(rng.gauss(0, 0.05)) + path, path, 0, plain=False)
+                      for _ in range(price_steps)]
+        for s in steps:
+            excess = step(s)
+            if n > TUNING.trial_price_at:
+                booked, true = booked + excess, true + s.seconds - 2 * STEP * (1 + s.saved)
+    return b, booked, true
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_trial_s_price_steps_floor_a_price_the_machine_left_as_it_began(seed):
+    """A slow spell began with a c=1 trial (the Zen 4 host: its verify steps
+    took 12.5-18.6 ms against a price of 4.51 ms set before it, and the
+    engine went plain while full K=3 gained). Here drafting gains about 40%
+    at the spell's pace, but against the stale price every verify step books
+    a loss; its price steps, after ``trial_price_at`` drafting steps, floor
+    the price at their median less the awake path's share as probes
+    measured it (here 3%, where the price steps cost what a plain step
+    does): the steps after them book a gain within a fifth of the true one
+    (83-104% of it, seeds 0-5; deterministic: seeds 0-2 here). Without them, or without
+    the share measured, the gain books as a loss."""
+    b, booked, true = _slow_spell_trial(TUNING.price_steps, seed)
+    assert true < 0 and booked < 0 and abs(booked / true - 1) < 0.2, (seed, booked, true)
+    assert b._step == pytest.approx(2 * STEP / 1.03, rel=0.05)
+    for price_steps, share in ((0, 0.03), (TUNING.price_steps, None)):
+        _, booked, _ = _slow_spell_trial(price_steps, seed, share)
+        assert booked > 0, (seed, price_steps, share, booked)

@@ -16,7 +16,9 @@ from vllm_dspark.controller.plan import DraftBlocks, StepPlan, StepTiming, StepV
 from vllm_dspark.controller.tuning import ControllerTuning
 
 TUNING = ControllerTuning()
-FIXED_GAP = ControllerTuning(dormant_recheck_max=TUNING.dormant_recheck_every)  # dormant checks at one gap
+FIXED_GAP = ControllerTuning(dormant_recheck_max=TUNING.dormant_recheck_every,  # dormant checks at one gap
+                             awake_probe_window=0)  # no probes of the awake path (awake.py) between them
+NO_PROBES = ControllerTuning(awake_probe_window=0)
 
 
 def _ctl(tuning=TUNING, now=None, cold=False, **knobs):
@@ -306,7 +308,7 @@ def test_dormant_checks_that_find_no_pay_space_out_until_the_batch_size_changes(
         ctl._skips = skips
         return ran
 
-    ctl = DSparkController(DSparkKnobs(persist_cost_model=False), block_len=4, plain_steps=True)
+    ctl = DSparkController(DSparkKnobs(persist_cost_model=False), block_len=4, plain_steps=True, tuning=NO_PROBES)
     _fund(ctl)
     ctl.dormancy.sleep()
     ctl.dormancy.wake = lambda: None  # held dormant
@@ -432,6 +434,46 @@ def test_the_nospec_models_learn_what_coasting_steps_cost_not_only_the_rule_s_st
     step(admitting, idle=1.0)
     assert ctl.costs.decode.params.predict(2, 2) == pytest.approx(decode, rel=0.01)
     assert ctl.costs.nospec.params.predict(2, 2) < 4.4e-3
+
+
+def test_a_dormant_engine_probes_its_awake_step_against_the_run_before_it():
+    """Dormant, the step after one of the rule's checks now and then runs
+    awake without drafts (a probe, awake.py): it does not coast, and its time
+    over the mean step of the coasting run before the check is a sample of
+    what the awake path costs. Here coasting steps take 4 ms, the rule's 5 ms
+    and a probe 4.4: the share is 10% once ``awake_probe_window // 2`` are in
+    (unknown before). Probes come at every check until the window is full,
+    then one in ``awake_probe_every`` steps. Which steps probe depends on no
+    timing: controllers with different clocks (ranks) probe on the same."""
+    every, window = TUNING.awake_probe_every, TUNING.awake_probe_window
+
+    def run(scale):
+        t = [0.0]
+        ctl = DSparkController(DSparkKnobs(persist_cost_model=False), block_len=4, plain_steps=True,
+                               now=lambda: t[0])
+        ctl.dormancy.sleep()
+        ctl.dormancy.wake = lambda: None  # held dormant
+        v, probed, shares = _view(("a", "b")), [], []
+        for i in range(4 * every):
+            if ctl.coasts(v.req_ids, bool(v.new_req_ids), v.verifies, v.finished_req_ids, v.tokens):
+                t[0] += 4e-3 * scale
+                continue
+            if ctl.begin_step(v) is None:
+                probed.append(i)
+                t[0] += 4.4e-3 * scale
+            else:
+                t[0] += 5e-3 * scale
+            ctl.end_step(StepTiming())
+            shares.append(ctl.budget.awake.share(2))
+        return probed, shares
+
+    probed, shares = run(1.0)
+    assert run(1.3)[0] == probed
+    assert len(probed) > window and shares[0] is None
+    assert shares[-1] == pytest.approx(0.1, abs=0.01)
+    gaps = [b - a for a, b in zip(probed[window:], probed[window + 1:])]
+    assert gaps and min(gaps) >= every, gaps  # the window full: one probe in awake_probe_every steps
+    assert max(b - a for a, b in zip(probed[:window], probed[1:window])) <= TUNING.dormant_recheck_max + 2
 
 
 def test_a_fresh_engine_s_warm_up_steps_coast():

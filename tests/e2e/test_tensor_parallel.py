@@ -24,7 +24,8 @@ def test_ranks_agree_under_a_skewed_clock_and_greedy_output_is_no_spec_s():
     result = json.loads(lines[-1][len("RESULT "):])
     assert result["dspark"] == result["nospec"]
     rank0, rank1 = result["snapshots"]
-    decided = ("steps", "skipped_steps", "plain_steps", "dormant", "contextless_requests", "length_hist")
+    decided = ("steps", "skipped_steps", "plain_steps", "probe_steps", "dormant", "contextless_requests",
+               "length_hist")
     assert {k: rank0[k] for k in decided} == {k: rank1[k] for k in decided}
     # Both kinds of step ran: drafting (collectives in the drafter) and plain.
     assert rank0["steps"] > 0 and rank0["plain_steps"] > 0

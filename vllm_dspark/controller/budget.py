@@ -58,28 +58,28 @@ measure it anew; what the models saw before fades meanwhile (cost_model.py,
 ``fade``), so those few steps set the price. Within that age the machine's
 drift is divided out: the nospec models learn in the units of a canary timed
 every few steps, and a price is in seconds at its pace now (pace.py). The
-canary is not trusted everywhere, so within an episode the price also
-follows down how far the episode's own verify steps sped up since it began,
-and a decode step's price is no more than its verify steps there take, nor
-its price steps (the decode steps without drafts after each explore skip:
-gate.py, drift.py).
+canary is not trusted everywhere, so within an episode the price follows
+its verify steps down as they speed up, is no more than they or its price
+steps take (decode steps without drafts: gate.py), nor less than the price
+steps less the awake path's share over a plain step (drift.py, awake.py).
 
 What an episode measured is kept per batch size (a power of two): it is
 gaining at the batch size of this step only (a gain banked at one request
 must not keep drafting on at 16, where the models say it loses), and a batch
-size where an episode ended gaining is remembered, so that the next episode
-there is due whenever the engine is dormant at it, whatever the models say
-(at one request their verdict was wrong both ways; without this memory an
-engine that slept at 16 requests stayed plain at one, where it had gained
-13-20%, for the rest of the run). What the episodes there gained, net of
-what later ones lost (up to the cap), funds the next one, and is forgotten
-once spent: otherwise one request the drafter cannot follow, after many it
-can, leaves an engine plain at one request while it earns that loss back at
-the share (docs/controller.md).
+size where an episode ended gaining is remembered, so the next episode there
+is due whenever the engine is dormant at it, whatever the models say (at one
+request their verdict was wrong both ways; without this memory an engine
+that slept at 16 requests stayed plain at one, where it had gained 13-20%,
+for the rest of the run). What the episodes there gained, net of what later
+ones lost (up to the cap), funds the next one, and is forgotten once spent:
+otherwise one request the drafter cannot follow, after many it can, leaves
+an engine plain at one request while it earns that loss back at the share
+(docs/controller.md).
 """
 
 import math
 
+from vllm_dspark.controller.awake import AwakeProbes
 from vllm_dspark.controller.clock import StepSample
 from vllm_dspark.controller.cost_model import OnlineCostModel
 from vllm_dspark.controller.drift import EpisodeDrift
@@ -89,12 +89,13 @@ from vllm_dspark.controller.tuning import ControllerTuning
 
 class ExplorationBudget:
     def __init__(self, nospec: OnlineCostModel, tuning: ControllerTuning, decode: OnlineCostModel | None = None,
-                 pace: MachinePace | None = None):
+                 pace: MachinePace | None = None, awake: AwakeProbes | None = None):
         """``decode``: the nospec model of decode steps alone (costs.py), which
         prices decoded tokens and decode steps (default: ``nospec``). Both
         learn in ``pace``'s units; priced at its factor now (pace.py) and at
-        the drift an episode's verify steps measure (drift.py)."""
+        an episode's drift (drift.py; ``awake``: its floor's awake share)."""
         self._nospec, self._decode, self._pace = nospec, decode or nospec, pace or MachinePace(tuning)
+        self.awake = awake or AwakeProbes(tuning)
         self.drift = EpisodeDrift(self._decode, self._pace, tuning)
         t = tuning
         self._share, self._cap, self._reserve = t.budget_share, t.budget_cap_steps, t.episode_tokens
@@ -131,6 +132,7 @@ class ExplorationBudget:
 
     def settle(self, s: StepSample) -> None:
         """One recorded step (``s.plain``: it ran without speculation)."""
+        self.awake.observe(s)  # a probe's, before the budget can price (a fresh engine's warm-up)
         if not self.ready:
             return
         if not s.plain:
@@ -178,17 +180,15 @@ class ExplorationBudget:
         self._charge(baseline, s.seconds + s.extra_seconds - baseline, s.reqs)
 
     def _charge(self, baseline: float, excess: float, reqs: int, priced: bool = True) -> None:
-        """A speculating step of ``reqs`` requests took ``excess`` over the
-        ``baseline`` no speculation would have."""
+        """A speculating step of ``reqs`` requests took ``excess`` over the ``baseline`` of none."""
         self.excess += excess
         gained, steps = self._gain.get(reqs.bit_length(), (0.0, 0))
         self._gain[reqs.bit_length()] = (gained + excess, steps + priced)
         self._pay_in(baseline, self._share * baseline - excess)
 
     def _grant(self, lift: float) -> None:
-        """Lift the balance by ``lift`` (if positive) without earning it: what a lost episode
-        must earn back before its batch size is re-tested rises with it (a batch size seen
-        for a step or two must not fund a re-test where an episode just lost)."""
+        """Lift the balance by ``lift`` (if positive) without earning it: what a lost episode must earn back
+        rises with it (a batch size seen for a step or two must not fund a re-test where one just lost)."""
         if lift <= 0:
             return
         self.balance += lift
@@ -219,9 +219,12 @@ class ExplorationBudget:
 
     def _decode_price(self, reqs: int) -> float:
         """A plain decode step's price at ``reqs``: within an episode no more
-        than its verify steps there take (drift.py)."""
+        than its verify steps there take, nor less than its price steps less
+        the awake path's share (drift.py)."""
         price = self._price(self._decode, reqs, reqs)
-        return min(price, self.drift.ceiling(reqs)) if self._episode is not None else price
+        if self._episode is None:
+            return price
+        return min(max(price, self.drift.floor(reqs, self.awake.share(reqs))), self.drift.ceiling(reqs))
 
     def _price(self, model: OnlineCostModel, reqs: int, tokens: int) -> float:
         """Seconds a step without speculation takes now (the model learns in pace units)."""
@@ -325,6 +328,10 @@ class ExplorationBudget:
         speculation would have: measured, whatever the models say."""
         excess, steps = self._gain.get(rows.bit_length(), (0.0, 0))
         return self._episode is not None and steps >= self._min_gain_steps and excess < 0
+
+    def losing(self, rows: int) -> bool:
+        """The open episode's steps at about ``rows`` requests cost more than no speculation."""
+        return self._episode is not None and self._gain.get(rows.bit_length(), (0.0, 0))[0] > 0
 
     def gained(self, rows: int) -> bool:
         """The last episode measured at about ``rows`` requests gained: the

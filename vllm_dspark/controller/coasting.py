@@ -26,6 +26,9 @@ step coasts is a function of the step and of state every rank holds alike
 (dormancy is agreed; the nospec model learns from rank 0's timings), so
 under tensor parallelism every rank coasts on the same steps.
 
+Now and then the step after a dormant check runs awake instead, without
+drafts, timed against the run before the check (a probe: awake.py).
+
 The clock times a run as one span (rank 0's). Where the run's batch stayed
 the same and the step after it admits nothing (else the span may hold the
 engine's idle time), the span's mean step teaches the nospec models too:
@@ -60,6 +63,7 @@ class Coasting:
         self._batch = (0, 0)  # the last one's requests and tokens
         self._uniform = True  # every step coasted since the last booking had that batch
         self._booked: tuple[int, int, int] | None = None  # the last booking's uniform run: requests, tokens, steps
+        self.last_run: tuple[int, int, float] | None = None  # the last timed run: requests, tokens, its mean step
 
     def coasts(self, plain_before: bool, req_ids: Collection[str], admits: bool, verifies: bool,
                finished: Collection[str], tokens: int, fast: int = 0) -> int:
@@ -74,7 +78,7 @@ class Coasting:
         # Awake, a step coasts where no request keeps context: asked after the cheap checks (a
         # drafting step is not plain_before, and this walks the batch).
         plain = (self.enabled and plain_before and (self._budget.ready or self._costs.warming)
-                 and not (admits or verifies))
+                 and not (admits or verifies or (dormancy.dormant and self._budget.awake.armed)))
         contextless = plain and not dormancy.dormant and self._ledger.all_without(req_ids)
         if not (plain and (dormancy.dormant or contextless)):
             self.due = None
@@ -113,13 +117,25 @@ class Coasting:
 
     def timed(self, span: float, view: StepView) -> None:
         """The clock's span over the run just booked, ``view`` the step after it."""
+        self.last_run = None
         if self._booked is not None and span > 0 and not view.new_req_ids:
             reqs, tokens, n = self._booked
             self._costs.observe_plain(reqs, tokens, span / n, n)
+            self.last_run = (reqs, tokens, span / n)
         self._booked = None
 
-    def ran(self, view: StepView) -> None:
-        """A plain step ran (not coasting): no request in it keeps drafter context."""
+    def probes(self, view: StepView) -> bool:
+        """Dormant, does this step probe the awake path (awake.py)?"""
+        probes = self._dormancy.dormant and self._budget.awake.probing(view.num_reqs, view.tokens)
+        self._telemetry.totals.probe_steps += probes
+        return probes
+
+    def ran(self, view: StepView, checked: int | None = None) -> None:
+        """A plain step ran (not coasting): no request in it keeps drafter
+        context. ``checked``: the rule checked a dormant engine at this
+        step (its count), after the run just timed: the next step may probe."""
+        if checked is not None and self._dormancy.dormant:
+            self._budget.awake.arm(checked, self.last_run)
         self._ledger.lose_all(view.req_ids)
         totals = self._telemetry.totals
         totals.contextless_requests += len(view.new_req_ids)

@@ -66,8 +66,7 @@ class DSparkController:
         self.telemetry = Telemetry(block_len, knobs.trace_folder(), knobs.policy, knobs.log_every)
         self.clock = StepClock(tuning, now, share)
         self.coasting = Coasting(plain_steps, self.dormancy, self.budget, self.ledger, self.gate, self.telemetry, self.costs)
-        self.steps = 0  # steps recorded or counted
-        self.depth = block_len  # the walk depth of the last plan
+        self.steps, self.depth = 0, block_len  # steps recorded or counted; the walk depth of the last plan
         self._view, self._gained = NO_STEP, (0, 0, 0.0)  # this step's view; its drafts verified, accepted, saved
         self._plain_step, self._building = False, 1.0  # this step runs plain; share of the batch without context
 
@@ -86,11 +85,12 @@ class DSparkController:
         # A step in which no request keeps drafter context has no speculative work either.
         (self._plain_step,) = self.clock.agree(not view.verifies and (self.dormancy.dormant or (
             self.dormancy.enabled and not view.new_req_ids and self.ledger.all_without(view.req_ids))))
+        self._plain_step = self._plain_step and not self.coasting.probes(view)  # a probe runs awake (awake.py)
         if not (self.coasting.plain_steps and self._plain_step):
             return None
         if view.num_reqs:  # no request in it keeps context; the rule still runs (it ends dormancy)
-            self.coasting.ran(view)
             self._skips(view.num_reqs, None, due)
+            self.coasting.ran(view, self.steps if due else None)
         return StepPlan("plain", self.depth)
 
     def coasts(self, req_ids: Collection[str], admits: bool, verifies: bool, finished: Collection[str],
@@ -139,7 +139,7 @@ class DSparkController:
         if busy is None or view.num_reqs == 0:
             return
         recorded = not (self.telemetry.trace is None and self.budget.ready and self.dormancy.unrecorded(
-            timing.drafted, view.verifies, lambda: self.budget.measured(view.num_reqs)))
+            self._plain_step and not (timing.drafted or view.verifies), lambda: self.budget.measured(view.num_reqs)))
         walked = timing.drafted and timing.walk_seconds > 0
         self.clock.hold(StepSample(view.num_reqs, view.tokens, view.verifies, busy - timing.excluded_seconds,
                                    timing.draft_seconds - timing.excluded_seconds, timing.drafted,
@@ -180,7 +180,7 @@ class DSparkController:
                 verdict = assessment.best(counts)
         self.depth = self.k if (deep := self.acceptance.window.deep_stale(self.steps)) else verdict.depth  # survival.py
         if gate.drafts(verdict.net, assessment.plain, contexts, self._view, self.costs, dormancy.exploring,
-                       dormancy.gaining(rows), once=deep):
+                       dormancy.gaining(rows), once=deep, price=dormancy.price_due(rows)):
             return self._draft()
         return self._skip(counted=contexts > 0)  # for want of context: no verdict on drafting
 

@@ -63,8 +63,9 @@ class Dormancy:
         self._checked_class = 0  # the batch-size class (a power of two) of the last dormant check
         self._paying = 0  # checks in a row where drafting would pay
         self._plain = 0  # dormant plain steps finished (for record_every)
-        self._trial_steps = t.trial_steps
+        self._trial_steps, self._price_at = t.trial_steps, t.trial_price_at
         self._trial = 0  # drafting steps the open exploring episode still takes whatever the models say
+        self._trial_priced = False  # the open trial took its price steps
 
     def cheap_skip(self, rows: int, contextless: bool = False) -> int:
         """Dormant (or ``contextless``: no request of the step keeps drafter
@@ -140,6 +141,7 @@ class Dormancy:
             self.wake()
             # Going on, the models decide: a trial would draft on through the stretch that just lost.
             self._trial = 0 if sure or goes_on else self._trial_steps
+            self._trial_priced = False
 
     def lasts(self, building: float, rows: int) -> bool:
         """Awake, and the budget would not end the episode this step (heed)."""
@@ -157,6 +159,17 @@ class Dormancy:
     def exploring(self) -> bool:
         """An exploring episode's first ``trial_steps`` steps with context."""
         return not self.dormant and self._trial > 0
+
+    def price_due(self, rows: int) -> bool:
+        """Should the trial take its explore skip and price steps now (gate.py)?
+        Once a trial, once it has drafted ``trial_price_at`` steps while the
+        budget books it losing at ``rows`` requests: its price steps floor a
+        price the machine left as it began (drift.py). A trial booked gaining
+        has nothing a higher price would change, and skips none."""
+        due = (self.exploring and not self._trial_priced and self._trial <= self._trial_steps - self._price_at
+               and self.budget is not None and self.budget.losing(rows))
+        self._trial_priced = self._trial_priced or due
+        return due
 
     def gaining(self, rows: int) -> bool:
         """An episode is open that the budget measures gaining on no speculation at ``rows`` requests."""
@@ -177,13 +190,14 @@ class Dormancy:
         if not skipped and self._trial:
             self._trial -= 1
 
-    def unrecorded(self, drafted: int, verifies: bool, measured: Callable[[], bool]) -> bool:
-        """Leave this step out of the cost models? While dormant, plain steps
-        are alike: one in ``dormant_record_every`` of those that do not coast
-        is recorded, and every one at a batch the nospec model has not
+    def unrecorded(self, plain: bool, measured: Callable[[], bool]) -> bool:
+        """Leave this step out of the cost models? While dormant, ``plain``
+        steps are alike: one in ``dormant_record_every`` of those that do not
+        coast is recorded, and every one at a batch the nospec model has not
         ``measured()`` (asked of dormant plain steps only; no episode starts
-        there until it has: budget.py)."""
-        if not self.dormant or drafted or verifies or not measured():
+        there until it has: budget.py). A step that ran awake (a probe:
+        awake.py) is recorded."""
+        if not (self.dormant and plain) or not measured():
             return False
         self._plain += 1
         return self._plain % self._record_every != 0

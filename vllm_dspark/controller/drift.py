@@ -1,6 +1,7 @@
 """EpisodeDrift: what an episode's own verify steps say about its no-spec
 price: how far the machine sped up since the episode began (``factor``),
-and the most a plain step can cost now (``ceiling``).
+the most a plain step can cost now (``ceiling``) and, from its price
+steps, the least (``floor``).
 
 The exploration budget prices a speculating step against the no-spec models,
 which learn from plain steps only, and an episode runs none: its price holds
@@ -45,7 +46,12 @@ context, the speculative metadata; the rule's time taken out) and costs no
 less than a dormant plain step, 2-3% more at c=1 on the Zen 4 host
 (traced: 4.50 ms against 4.38 ms). Teaching the no-spec models, they would
 price the episode that much high; as a ceiling, they bring a stale price
-to within that of the machine's pace now. A
+to within that of the machine's pace now. Nothing else raises a price
+set in a fast spell, or one the machine left as the episode began (a 2x
+slow spell began with a c=1 trial there, whose steps then booked a loss
+against a price set before it, and the engine went plain while full K=3
+gained): so their median, less what the awake path costs over a plain
+step as probes measure it (awake.py), is also its ``floor``. A
 shape's first ``drift_shape_steps // 2`` runs are its warm-up and stay out
 of its reference time for the factor (a first run took 11-21 ms among
 7-9 ms ones: costs.py). Times are in the pace's
@@ -70,6 +76,7 @@ class EpisodeDrift:
         self._decode, self._pace = decode, pace
         self._window, self._per_shape, self._clip = tuning.drift_window, tuning.drift_shape_steps, tuning.drift_clip
         self._skip = self._per_shape // 2  # a shape's first runs left out of its reference
+        self._min_priced = max(tuning.price_steps, 1)  # price steps that floor the price
         self._rows: int | None = None  # the batch-size class measured (None: none yet)
         self._anchor = -1  # the decode model's observations when measuring began
         self._seen = 0  # its steps so far
@@ -101,6 +108,16 @@ class EpisodeDrift:
         least, over the shapes this episode verified at ``reqs``, of the
         median of their last ``drift_shape_steps`` (inf before any)."""
         return min(self._ceilings.get(reqs, {}).values(), default=math.inf)
+
+    def floor(self, reqs: int, awake_share: float | None) -> float:
+        """The least a plain decode step of ``reqs`` requests costs now: the
+        median of this episode's last price steps there (at least
+        ``price_steps`` of them), less the awake path's ``awake_share``
+        (awake.py); 0 before, or while that share is unmeasured."""
+        times = self._verified.get(reqs, {}).get(reqs, ())
+        if awake_share is None or len(times) < self._min_priced:
+            return 0.0
+        return median(times) / (1.0 + awake_share)
 
     def _restart(self, rows: int | None) -> None:
         self._rows, self._anchor, self._seen, self._factor = rows, self._decode.observations, 0, 1.0

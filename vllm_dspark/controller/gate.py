@@ -14,9 +14,12 @@ throughput; while it pays, one step in ``explore_every`` skips, so the plain
 step's cost stays measured (it is what drafting is judged against), and
 once that is, ``price_steps`` more follow: the first skip verifies the last
 drafts, the ones after it are decode steps of this engine now that neither
-verify nor draft, which cap the episode's no-spec price (drift.py: priced
-from the plain steps before it, an episode on the AMD EPYC Zen 4 host was
-off by up to 45% for 2,000 steps).
+verify nor draft, which cap and floor the episode's no-spec price
+(drift.py: priced from the plain steps before it, an episode on the AMD
+EPYC Zen 4 host was off by up to 45% for 2,000 steps). A trial, which
+drafts whatever the models say, takes an explore skip and its price steps
+where dormancy.py asks, whether the plain model is trusted or not: its
+verdict is the budget's, on that price.
 
 A verdict that drafting pays holds, unasked, for the next ``cruise_every``
 - 1 steps of the same batch (same requests, and the tokens its lengths
@@ -139,13 +142,16 @@ class DraftGate:
         self._skips_in_row += steps
 
     def drafts(self, net: float, plain: float, contexts: int, view: StepView, costs: StepCosts,
-               trial: bool = False, gaining: bool = False, once: bool = False) -> bool:
+               trial: bool = False, gaining: bool = False, once: bool = False, price: bool = False) -> bool:
         """Draft this step, given what drafting would save (``net``), a plain
         step's cost and how many requests have drafter context? On ``trial``
         (an exploring episode's first steps, dormancy.py) whatever ``net``
-        says; where the budget measures the episode ``gaining``, as if it paid
-        (the explore steps still run: a measured gain holds only while the
-        plain step it is judged against stays measured). ``once``: the step
+        says, but for an explore skip and its price steps where ``price``
+        (dormancy.py: the trial's verdict rests on its price, which they
+        floor: drift.py); where the budget measures the episode ``gaining``,
+        as if it paid (the explore steps still run: a measured gain holds
+        only while the plain step it is judged against stays measured).
+        ``once``: the step
         walks deeper than the verdict (a whole walk that keeps the deep
         positions measured: survival.py), so its verdict holds for no step
         after it: held, each such walk ran 8 steps 7 deep, a quarter of all
@@ -154,7 +160,8 @@ class DraftGate:
         self._since_skip += 1
         # Drafting is judged against the plain step, and no other model can
         # stand in for it: until it is trusted, plain steps come at the probes' pace.
-        explore = self._pause > 0 or self._since_skip >= (self._explore_every if costs.plain.trusted else self._probe_every)
+        explore = self._pause > 0 or price or self._since_skip >= (
+            self._explore_every if costs.plain.trusted else self._probe_every)
         probe_every = self._probe_every
         # The drafting model is measured by every probe; the verify-step model
         # may never be (when the best lengths are 0, a probe verifies nothing).
@@ -167,14 +174,15 @@ class DraftGate:
         # probe gap (prompts may arrive on every step).
         due = self._skips_in_row + 1
         probe = due >= 2 * probe_every or (due >= probe_every and not view.takes_prompts)
-        if ((pays and not explore) or probe or trial) and contexts:
+        if ((pays and not explore) or probe or (trial and not (self._pause or price))) and contexts:
             self._skips_in_row, self._pause = 0, 0
             self._pays = ((pays and not explore) or trial) and not once
             return True
         self._skips_in_row = 0 if explore else self._skips_in_row + 1
         # At the explore pace ``price_steps`` more skips follow: the first skip verifies the last
         # drafts, the ones after it are decode steps without drafts, which cap the price (drift.py).
-        self._pause = self._pause - 1 if self._pause else (self._price_steps if explore and costs.plain.trusted else 0)
+        self._pause = self._pause - 1 if self._pause else (
+            self._price_steps if explore and (costs.plain.trusted or price) else 0)
         self._since_skip = 0
         return False
 

@@ -21,6 +21,7 @@ class ControllerTotals:
     accepted_tokens: int = 0
     contextless_requests: int = 0  # admitted while dormant
     plain_steps: int = 0  # run as vLLM's steps without speculation
+    probe_steps: int = 0  # dormant steps run awake without drafts (awake.py)
 
     @classmethod
     def for_block(cls, k: int) -> "ControllerTotals":
@@ -49,6 +50,7 @@ class ControllerSnapshot:
     skipped_steps: int = 0
     contextless_requests: int = 0
     plain_steps: int = 0
+    probe_steps: int = 0  # dormant steps run awake without drafts, timed against plain ones (awake.py)
     dormant: bool = False
     acceptance_ratio: float = 1.0  # the skip rule's accepted / expected tokens on recent blocks
     verified_blocks: int = 0
@@ -68,6 +70,7 @@ class ControllerSnapshot:
     pace_trust: float = 0.0  # how far the steps bear the canary out (0 to 1)
     price_drift: float = 1.0  # how far the open episode's verify steps lowered its price (drift.py)
     decode_price: dict | None = None  # the budget's last price of a plain decode step: seconds, requests
+    awake_share: dict | None = None  # per batch size (its class's fewest requests): an awake step over a plain one
     calibration: dict | None = None  # per mode: alpha, beta, ECE raw and calibrated per position
     load: dict | None = None  # the last step's LoadSignals
 
@@ -153,14 +156,15 @@ class Telemetry:
         return ControllerSnapshot(
             steps=t.choices, budget_tokens_total=t.budget_tokens, last_budget=last.budget,
             length_hist=list(t.length_hist), depth_hist=list(t.depth_hist), skipped_steps=t.skipped_steps + coasted,
-            contextless_requests=t.contextless_requests, plain_steps=t.plain_steps + coasted, dormant=dormant,
+            contextless_requests=t.contextless_requests, plain_steps=t.plain_steps + coasted,
+            probe_steps=t.probe_steps, dormant=dormant,
             acceptance_ratio=acceptance.ratio(), verified_blocks=t.verified_blocks,
             accepted_tokens=t.accepted_tokens, predicted_step_s=last.predicted_s, measured_step_s=last.measured_s,
             cost_model_mape=costs.mape(), calibration=acceptance.state(),
             load=load._asdict() if load else None, speculation_excess=budget.loss_share(),
             budget_balance_s=budget.balance, pace_factor=costs.pace.factor,
             pace_trust=costs.pace.trust, price_drift=budget.drift.factor, decode_price=budget.price,
-            **costs.params_json())
+            awake_share=budget.awake.state(), **costs.params_json())
 
     def log(self, snapshot: ControllerSnapshot) -> None:
         from vllm_dspark.log import get_logger

@@ -99,6 +99,9 @@ class ControllerTuning:
     drift_window: int = 32  # verify steps per median: more is steadier, slower to follow a spell
     drift_shape_steps: int = 8  # steps of each shape that set its reference time
     drift_clip: float = 2.0  # the most the price falls with the episode's drift (it never rises)
+    trial_price_at: int = 16  # a trial's drafting steps before its explore skip and price steps: sooner floors its price sooner
+    awake_probe_every: int = 256  # dormant steps between probes of the awake step once measured: fewer follows drift sooner, costs more
+    awake_probe_window: int = 8  # probes in the awake share's estimate: more is steadier, slower to start (0: none)
     # Start-up (runner.py)
     warm_up_requests: int = 4  # verify token counts of batches up to this many requests run once before serving: more start-up time, fewer first runs in trials
     cost: CostModelTuning = field(default_factory=CostModelTuning)

@@ -1,0 +1,84 @@
+"""AwakeProbes: what a step costs an awake engine over a plain one, measured.
+
+An episode's price steps (gate.py) are decode steps that neither verify nor
+draft, timed while the episode runs: the machine's pace now. They run the
+awake engine's path (the target's aux hidden states, the speculative
+metadata, the controller's whole step), which a dormant plain step, coasting,
+does not: 10-14% more at 1-4 requests and 21% at 16 on the AMD EPYC Zen 4
+host (bf16; each the upper quartile of 8 probes), and it differs by machine
+and batch. To floor an episode's price at what its price steps say
+(drift.py), that share must come out. So while dormant, now and then the
+step after one of the rule's checks runs awake, without drafts (a probe);
+its time over the mean step of the coasting run just before the check, at
+the same batch, is one sample of the awake share at that batch size (a
+power of two). Adjacent steps: the machine's drift, which moves plain steps
+by tens of per cent from wave to wave on that host, falls on both. Probes
+come at every check until ``awake_probe_window`` are in, then at most one
+in ``awake_probe_every`` steps; a probe costs the awake share of one step.
+Until ``awake_probe_window // 2`` are in, the share is unknown and nothing
+floors the price (a share taken too low would floor it too high); after, it
+is the upper quartile of the last window's. Every input is a step count or
+rank 0's timing: under tensor parallelism every rank probes on the same
+steps.
+"""
+
+from collections import deque
+
+from vllm_dspark.controller.clock import StepSample
+from vllm_dspark.controller.tuning import ControllerTuning
+
+
+class AwakeProbes:
+    def __init__(self, tuning: ControllerTuning):
+        self._every, self._window = tuning.awake_probe_every, tuning.awake_probe_window
+        self._shares: dict[int, deque[float]] = {}  # batch-size class -> the last probes' shares
+        self._last = -self._every  # the step of the last probe
+        self._armed: tuple[int, int, float] | None = None  # the next step probes: its batch, the run's mean step
+        self._probe: tuple[int, int, float] | None = None  # this step probes, or the last did (not recorded yet)
+
+    def arm(self, step: int, run: tuple[int, int, float] | None) -> None:
+        """A dormant check ran at engine step ``step`` after a coasting run of
+        ``run`` (requests, tokens, mean seconds a step; None: not uniform, or
+        prompt work followed it): the next step probes if one is due there."""
+        if not self._window or run is None or run[0] != run[1]:  # decode steps only
+            return
+        have = len(self._shares.get(run[0].bit_length(), ()))
+        if have < self._window or step - self._last >= self._every:
+            self._armed, self._last = run, step
+
+    @property
+    def armed(self) -> bool:
+        """The next step may probe: it must not coast (coasting.py)."""
+        return self._armed is not None
+
+    def probing(self, reqs: int, tokens: int) -> bool:
+        """Does this step (dormant, plain by the rule) probe? Only at the batch it was armed for."""
+        armed, self._armed = self._armed, None
+        if armed is None or armed[:2] != (reqs, tokens):
+            return False
+        self._probe = armed
+        return True
+
+    def observe(self, s: StepSample) -> None:
+        """A recorded step: the probe's, if one ran (the first recorded after it)."""
+        probe, self._probe = self._probe, None
+        if probe is None or s.plain or s.verifies or s.drafted or (s.reqs, s.tokens) != probe[:2]:
+            return
+        target = s.seconds - s.draft_seconds  # the rule's time is speculation's, as in a price step
+        self._shares.setdefault(s.reqs.bit_length(), deque(maxlen=self._window)).append(target / probe[2] - 1.0)
+
+    def share(self, reqs: int) -> float | None:
+        """What an awake step without drafts costs over a plain one at about
+        ``reqs`` requests, as a share (None: not measured yet)."""
+        shares = sorted(self._shares.get(reqs.bit_length(), ()))
+        if len(shares) < max(self._window // 2, 1):
+            return None
+        return max(shares[(3 * len(shares)) // 4], 0.0)
+
+    def state(self) -> dict:
+        """Per batch size (its class's fewest requests): the share now and the probes behind it."""
+        out = {}
+        for c, shares in sorted(self._shares.items()):
+            share = self.share(1 << (c - 1))
+            out[str(1 << (c - 1))] = {"share": None if share is None else round(share, 4), "probes": len(shares)}
+        return out
