@@ -476,6 +476,31 @@ def test_a_dormant_engine_probes_its_awake_step_against_the_run_before_it():
     assert max(b - a for a, b in zip(probed[:window], probed[1:window])) <= TUNING.dormant_recheck_max + 2
 
 
+def test_a_fresh_engine_s_first_episode_finds_the_awake_share_measured():
+    """Without the awake share nothing floors an episode's price (awake.py),
+    and a fresh engine's first trial is the one a slow spell beginning with
+    it books as drafting's loss. So while the share is unmeasured the
+    dormant checks stay close, each arming a probe, and the warm-up and the
+    dormant steps before the first trial measure it. Here plain steps take
+    4 ms, the rule's 5 ms and a probe 4.4 ms (a share of 10%), in waves of
+    two requests of 48 steps, the first the warm-up (costs.warm_up)."""
+    t = [0.0]
+    ctl = DSparkController(DSparkKnobs(persist_cost_model=False), block_len=4, plain_steps=True, now=lambda: t[0])
+    for i in range(64 * TUNING.dormant_recheck_every):
+        w = i // 48
+        v = _view((f"a{w}", f"b{w}"), new=(f"a{w}", f"b{w}") if i % 48 == 0 else ())
+        if ctl.coasts(v.req_ids, bool(v.new_req_ids), v.verifies, v.finished_req_ids, v.tokens):
+            t[0] += 4e-3
+            continue
+        plain = ctl.begin_step(v) is not None
+        if not ctl.dormancy.dormant:
+            break
+        t[0] += 5e-3 if plain else 4.4e-3
+        ctl.end_step(StepTiming())
+    assert not ctl.dormancy.dormant, "no episode opened"
+    assert ctl.budget.awake.share(2) == pytest.approx(0.1, abs=0.02)
+
+
 def test_a_fresh_engine_s_warm_up_steps_coast():
     """A fresh engine starts dormant and warms up until its first requests
     have finished (costs.warm_up): those steps teach no price, so between the
@@ -504,7 +529,10 @@ def test_a_fresh_engine_s_warm_up_steps_coast():
     n = 16 * TUNING.dormant_recheck_every
     first = wave(("a", "b"), n, 8e-3)
     assert ctl.costs.warming and not ctl.budget.ready
-    assert sum(first) >= n - n // TUNING.dormant_recheck_every - 2  # all but the first step and the rule's
+    # All but the first step, the rule's and the probes after its checks (awake.py), which measure
+    # the awake share during the warm-up: the checks stay close until they have.
+    assert sum(first) >= n - n // TUNING.dormant_recheck_every - TUNING.awake_probe_window - 2
+    assert ctl.budget.awake.share(2) is not None
     second = wave(("c", "d"), n, 4e-3)
     assert not ctl.costs.warming and ctl.budget.ready
     assert ctl.costs.decode.params.predict(2, 2) == pytest.approx(4e-3, rel=0.05)

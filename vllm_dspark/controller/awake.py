@@ -17,9 +17,14 @@ come at every check until ``awake_probe_window`` are in, then at most one
 in ``awake_probe_every`` steps; a probe costs the awake share of one step.
 Until ``awake_probe_window // 2`` are in, the share is unknown and nothing
 floors the price (a share taken too low would floor it too high); after, it
-is the upper quartile of the last window's. Every input is a step count or
-rank 0's timing: under tensor parallelism every rank probes on the same
-steps.
+is the upper quartile of the last window's. While a batch size's share is
+unmeasured, the dormant checks there stay at their shortest gap, for at
+most ``awake_probe_window`` of them (dormancy.py): each arms a probe, so a
+fresh engine measures it during its warm-up, before its first trial, which
+is the episode a slow spell beginning with it books as a loss unless the
+floor corrects its price (with the checks spreading out, one probe was in
+by then). Every input is a step count or rank 0's timing: under tensor
+parallelism every rank probes on the same steps.
 """
 
 from collections import deque
@@ -35,6 +40,7 @@ class AwakeProbes:
         self._last = -self._every  # the step of the last probe
         self._armed: tuple[int, int, float] | None = None  # the next step probes: its batch, the run's mean step
         self._probe: tuple[int, int, float] | None = None  # this step probes, or the last did (not recorded yet)
+        self._hurried: dict[int, int] = {}  # batch-size class -> dormant checks held close for its share
 
     def arm(self, step: int, run: tuple[int, int, float] | None) -> None:
         """A dormant check ran at engine step ``step`` after a coasting run of
@@ -66,6 +72,17 @@ class AwakeProbes:
             return
         target = s.seconds - s.draft_seconds  # the rule's time is speculation's, as in a price step
         self._shares.setdefault(s.reqs.bit_length(), deque(maxlen=self._window)).append(target / probe[2] - 1.0)
+
+    def hurries(self, reqs: int) -> bool:
+        """A dormant check at about ``reqs`` requests: keep the next one at
+        the shortest gap? While the share there is unmeasured, for at most
+        ``awake_probe_window`` checks (where runs of decode steps are too
+        rare to probe, the checks then spread out as before)."""
+        c = reqs.bit_length()
+        if not self._window or self.share(reqs) is not None or self._hurried.get(c, 0) >= self._window:
+            return False
+        self._hurried[c] = self._hurried.get(c, 0) + 1
+        return True
 
     def share(self, reqs: int) -> float | None:
         """What an awake step without drafts costs over a plain one at about

@@ -117,11 +117,12 @@ class Dormancy:
         share of the batch without drafter context). One that ends where the next is due at once (what episodes
         there gained still funds it) goes on as that one, with no step between: a dormant step would run plain,
         and every request in it would lose its drafter context for good (at one request, the rest of it)."""
-        if self.dormant:  # the next check: further off while checks find nothing new
-            same = rows.bit_length() == self._checked_class and not self._paying
-            self._gap = min(2 * self._gap, self._max_recheck) if same else self._recheck
-            self._checked_class = rows.bit_length()
         budget = self.budget
+        if self.dormant:  # the next check: further off while checks find nothing new (and probes, awake.py)
+            same = rows.bit_length() == self._checked_class and not self._paying
+            hurry = budget is not None and budget.awake.hurries(rows)
+            self._gap = min(2 * self._gap, self._max_recheck) if same and not hurry else self._recheck
+            self._checked_class = rows.bit_length()
         if budget is None:
             if self.dormant and self.pays:
                 self.wake()
