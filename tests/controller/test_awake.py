@@ -60,20 +60,19 @@ def test_a_probe_is_armed_only_after_a_run_of_decode_steps_and_runs_only_at_its_
     assert not off.armed and off.share(4) is None and off.state() == {}
 
 
-def test_checks_hurry_only_while_the_share_is_unmeasured_and_a_few_of_them_at_most():
-    """``hurries``: hold off an episode and keep the dormant checks close
-    (each arms a probe) at a batch size whose share is unknown, until it is
-    measured or ``awake_wait_checks`` checks there have hurried (where
-    decode runs are too rare to probe, speculation must still start); per
-    batch-size class; never with probes or the wait off."""
-    wait = TUNING.awake_wait_checks
+def test_checks_hurry_only_while_the_share_is_unmeasured_and_a_window_of_them_at_most():
+    """``hurries``: keep the dormant checks close (each arms a probe) at a
+    batch size whose share is unknown, until it is measured or
+    ``awake_probe_window`` checks there have hurried (where decode runs are
+    too rare to probe, the checks must spread out again); per batch-size
+    class; never with probes off."""
+    window = TUNING.awake_probe_window
     probes = AwakeProbes(TUNING)
-    assert [probes.hurries(4) for _ in range(wait + 2)] == [True] * wait + [False, False]
+    assert [probes.hurries(4) for _ in range(window + 2)] == [True] * window + [False, False]
     assert probes.hurries(1) and probes.hurries(16)  # another class on its own
     measured = AwakeProbes(TUNING)
     assert measured.hurries(2)
-    for i in range(TUNING.awake_probe_window // 2):
+    for i in range(window // 2):
         assert _probe(measured, i, 0.1, reqs=2)
     assert not measured.hurries(2) and not measured.hurries(3)
     assert not AwakeProbes(ControllerTuning(awake_probe_window=0)).hurries(4)
-    assert not AwakeProbes(ControllerTuning(awake_wait_checks=0)).hurries(4)

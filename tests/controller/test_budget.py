@@ -28,11 +28,7 @@ def trace():
     return load_trace(TRACE)
 
 
-# Episodes open at once: the first one's wait for the awake share is tested on its own (test_controller.py).
-NO_WAIT = ControllerTuning(awake_wait_checks=0)
-
-
-def _budget(tuning=NO_WAIT) -> ExplorationBudget:
+def _budget(tuning=TUNING) -> ExplorationBudget:
     nospec = OnlineCostModel(tuning=tuning.cost)
     nospec.pin(CostParams(STEP, 0.0, 0.0), "test")
     return ExplorationBudget(nospec, tuning)

@@ -476,40 +476,29 @@ def test_a_dormant_engine_probes_its_awake_step_against_the_run_before_it():
     assert max(b - a for a, b in zip(probed[:window], probed[1:window])) <= TUNING.dormant_recheck_max + 2
 
 
-def test_a_fresh_engine_s_first_episode_waits_until_its_probes_have_measured_the_awake_share():
+def test_a_fresh_engine_s_first_episode_finds_the_awake_share_measured():
     """Without the awake share nothing floors an episode's price (awake.py),
-    and a fresh engine's first trial at a batch size is the one a slow spell
-    beginning with it, or a price that drifted low, books as drafting's
-    loss. So while the share there is unmeasured no episode opens and the
-    dormant checks stay close, each arming a probe. Here plain steps take
+    and a fresh engine's first trial is the one a slow spell beginning with
+    it books as drafting's loss. So while the share is unmeasured the
+    dormant checks stay close, each arming a probe, and the warm-up and the
+    dormant steps before the first trial measure it. Here plain steps take
     4 ms, the rule's 5 ms and a probe 4.4 ms (a share of 10%), in waves of
-    48 steps: the first, the warm-up (costs.warm_up), of two requests, the
-    rest of one, a batch size no probe has measured. Without the wait
-    (``awake_wait_checks`` = 0) the first trial opens at once there, with no
-    share; the wait costs a few dozen steps at most."""
-
-    def first_episode(tuning):
-        t = [0.0]
-        ctl = DSparkController(DSparkKnobs(persist_cost_model=False), block_len=4, plain_steps=True,
-                               now=lambda: t[0], tuning=tuning)
-        for i in range(64 * tuning.dormant_recheck_every):
-            w = i // 48
-            reqs = (f"a{w}", f"b{w}") if w == 0 else (f"a{w}",)  # then one request: a batch size not probed yet
-            v = _view(reqs, new=reqs if i % 48 == 0 else ())
-            if ctl.coasts(v.req_ids, bool(v.new_req_ids), v.verifies, v.finished_req_ids, v.tokens):
-                t[0] += 4e-3
-                continue
-            plain = ctl.begin_step(v) is not None
-            if not ctl.dormancy.dormant:
-                return i, ctl.budget.awake.share(1)
-            t[0] += 5e-3 if plain else 4.4e-3
-            ctl.end_step(StepTiming())
-        raise AssertionError("no episode opened")
-
-    step, share = first_episode(TUNING)
-    assert share == pytest.approx(0.1, abs=0.02)
-    unwaited, none = first_episode(ControllerTuning(awake_wait_checks=0))
-    assert none is None and unwaited < step <= unwaited + TUNING.awake_wait_checks * TUNING.dormant_recheck_every
+    two requests of 48 steps, the first the warm-up (costs.warm_up)."""
+    t = [0.0]
+    ctl = DSparkController(DSparkKnobs(persist_cost_model=False), block_len=4, plain_steps=True, now=lambda: t[0])
+    for i in range(64 * TUNING.dormant_recheck_every):
+        w = i // 48
+        v = _view((f"a{w}", f"b{w}"), new=(f"a{w}", f"b{w}") if i % 48 == 0 else ())
+        if ctl.coasts(v.req_ids, bool(v.new_req_ids), v.verifies, v.finished_req_ids, v.tokens):
+            t[0] += 4e-3
+            continue
+        plain = ctl.begin_step(v) is not None
+        if not ctl.dormancy.dormant:
+            break
+        t[0] += 5e-3 if plain else 4.4e-3
+        ctl.end_step(StepTiming())
+    assert not ctl.dormancy.dormant, "no episode opened"
+    assert ctl.budget.awake.share(2) == pytest.approx(0.1, abs=0.02)
 
 
 def test_a_fresh_engine_s_warm_up_steps_coast():
@@ -769,7 +758,7 @@ def test_dormancy_ends_only_where_drafting_pays_beyond_the_cost_models_error():
     exceeds the models' recent mean relative error times that cost: not at
     500% error, yes at 100%; and only while the budget holds an episode's
     reserve."""
-    tuning = ControllerTuning(probe_loss_budget=1e-9, awake_wait_checks=0)  # episodes open at once
+    tuning = ControllerTuning(probe_loss_budget=1e-9)
     ends = []
     for running, error, funded in ((8, 5.0, True), (8, 1.0, True), (8, 1.0, False)):
         ctl = _skip_rule_ctl(tuning, dormant_after_steps=16)
@@ -820,8 +809,7 @@ def test_dormant_engine_never_drafts_and_re_tests_on_a_full_budget():
     """Dormant, nothing drafts, even a request with context; the verdict
     (drafting does not pay) is re-tested once the balance is full: an
     episode starts, and requests admitted then keep context."""
-    # Awake, a probe would come every probe_every; episodes open at once.
-    tuning = ControllerTuning(probe_loss_budget=1e9, awake_wait_checks=0)
+    tuning = ControllerTuning(probe_loss_budget=1e9)  # awake, a probe would come every probe_every
     ctl = _skip_rule_ctl(tuning, dormant_after_steps=16, slo_tokens_per_s=1e6)  # never pays
     _fund(ctl)
     ctl.dormancy.sleep()

@@ -18,14 +18,13 @@ in ``awake_probe_every`` steps; a probe costs the awake share of one step.
 Until ``awake_probe_window // 2`` are in, the share is unknown and nothing
 floors the price (a share taken too low would floor it too high); after, it
 is the upper quartile of the last window's. While a batch size's share is
-unmeasured, no episode opens there and its dormant checks stay at their
-shortest gap, each arming a probe, for at most ``awake_wait_checks``
-checks (dormancy.py): a fresh engine's first trial at a batch size is the
-episode a slow spell, or a price that drifted low, books as a loss unless
-the floor corrects its price, and the first trials opened at their batch
-size's first check, with no probe there yet. Every input is a step count
-or rank 0's timing: under tensor parallelism every rank probes (and
-waits) on the same steps.
+unmeasured, the dormant checks there stay at their shortest gap, for at
+most ``awake_probe_window`` of them (dormancy.py): each arms a probe, so a
+fresh engine measures it during its warm-up, before its first trial, which
+is the episode a slow spell beginning with it books as a loss unless the
+floor corrects its price (with the checks spreading out, one probe was in
+by then). Every input is a step count or rank 0's timing: under tensor
+parallelism every rank probes on the same steps.
 """
 
 from collections import deque
@@ -36,7 +35,7 @@ from vllm_dspark.controller.tuning import ControllerTuning
 
 class AwakeProbes:
     def __init__(self, tuning: ControllerTuning):
-        self._every, self._window, self._wait = tuning.awake_probe_every, tuning.awake_probe_window, tuning.awake_wait_checks
+        self._every, self._window = tuning.awake_probe_every, tuning.awake_probe_window
         self._shares: dict[int, deque[float]] = {}  # batch-size class -> the last probes' shares
         self._last = -self._every  # the step of the last probe
         self._armed: tuple[int, int, float] | None = None  # the next step probes: its batch, the run's mean step
@@ -75,13 +74,12 @@ class AwakeProbes:
         self._shares.setdefault(s.reqs.bit_length(), deque(maxlen=self._window)).append(target / probe[2] - 1.0)
 
     def hurries(self, reqs: int) -> bool:
-        """A dormant check at about ``reqs`` requests: hold off an episode
-        there and keep the next check at the shortest gap? While the share
-        there is unmeasured, for at most ``awake_wait_checks`` checks (where
-        runs of decode steps are too rare to probe, speculation then starts
-        unfloored and the checks spread out, as before probes)."""
+        """A dormant check at about ``reqs`` requests: keep the next one at
+        the shortest gap? While the share there is unmeasured, for at most
+        ``awake_probe_window`` checks (where runs of decode steps are too
+        rare to probe, the checks then spread out as before)."""
         c = reqs.bit_length()
-        if not self._window or self.share(reqs) is not None or self._hurried.get(c, 0) >= self._wait:
+        if not self._window or self.share(reqs) is not None or self._hurried.get(c, 0) >= self._window:
             return False
         self._hurried[c] = self._hurried.get(c, 0) + 1
         return True

@@ -116,14 +116,12 @@ class Dormancy:
         full (re-testing a verdict that may be stale); it ends as soon as the budget is spent (``building``: the
         share of the batch without drafter context). One that ends where the next is due at once (what episodes
         there gained still funds it) goes on as that one, with no step between: a dormant step would run plain,
-        and every request in it would lose its drafter context for good (at one request, the rest of it). None
-        opens where the awake path's share is unmeasured, for up to ``awake_wait_checks`` checks (awake.py)."""
+        and every request in it would lose its drafter context for good (at one request, the rest of it)."""
         budget = self.budget
-        # While the awake share is unmeasured here, no episode opens and the checks (each arming a probe) stay close.
-        hurry = self.dormant and budget is not None and budget.awake.hurries(rows)
-        if self.dormant:  # the next check: further off while checks find nothing new
-            same = rows.bit_length() == self._checked_class and not (self._paying or hurry)
-            self._gap = min(2 * self._gap, self._max_recheck) if same else self._recheck
+        if self.dormant:  # the next check: further off while checks find nothing new (and probes, awake.py)
+            same = rows.bit_length() == self._checked_class and not self._paying
+            hurry = budget is not None and budget.awake.hurries(rows)
+            self._gap = min(2 * self._gap, self._max_recheck) if same and not hurry else self._recheck
             self._checked_class = rows.bit_length()
         if budget is None:
             if self.dormant and self.pays:
@@ -138,7 +136,7 @@ class Dormancy:
             budget.close()
         pays = self.pays
         due = budget.full or budget.retest_due(rows) or budget.gained(rows)
-        if not hurry and budget.affords_episode(pays, rows) and (pays or curious or due):
+        if budget.affords_episode(pays, rows) and (pays or curious or due):
             sure = pays and not curious
             budget.open(sure, rows)
             self.wake()
