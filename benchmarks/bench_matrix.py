@@ -303,6 +303,15 @@ def kept_runs(cell: dict | None, want: dict, workload: str, fresh: bool) -> tupl
     return runs, min(sum(label in run["rows"] for run in runs) for label in asked)
 
 
+def unpooled(cell: dict | None, want: dict, workload: str) -> list[str]:
+    """The settings in which a cell's runs differ from ``want`` (none: they pool, or there are none)."""
+    if not (cell and cell.get("runs")):
+        return []
+    have = cell.get("settings") or {}
+    return sorted(k for k in set(have) | set(want)
+                  if have.get(k) != want.get(k) and not (workload == "waves" and k == "concurrency"))
+
+
 def settings(args, workload: str) -> dict:
     """What a cell's runs must share to be pooled."""
     base = {"arms": args.arms, "target": in_repo(args.target), "drafter": in_repo(args.drafter),
@@ -395,6 +404,9 @@ def main(argv=None) -> dict:
             for workload in args.workloads:
                 key, want = f"{label}/{dtype}/{workload}", settings(args, workload)
                 kept, have = kept_runs(record["cells"].get(key), want, workload, args.fresh)
+                if not kept and (differ := unpooled(record["cells"].get(key), want, workload)):
+                    print(f"[matrix] {key}: its runs were taken at other settings ({', '.join(differ)}) and do not "
+                          f"pool: the runs to do replace all of them, every concurrency")
                 if workload == "waves" and kept:  # the cell's settings name every concurrency it holds
                     held = {int(label[2:]) for run in kept for label in run["rows"]}
                     want = {**want, "concurrency": sorted(held | set(args.concurrency))}

@@ -125,11 +125,12 @@ def test_a_per_round_cell_takes_each_runs_best_other_arm_from_the_other_runs():
 def test_matrix_waves_pool_per_concurrency():
     """A waves run of some concurrencies pools beside runs of others (its rows
     join theirs); --fresh drops only the rows of the concurrencies asked for;
-    other settings, or another workload's, still decide as a whole."""
+    other settings, or another workload's, still decide as a whole, and the
+    plan names the settings that differ."""
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    from bench_matrix import kept_runs, row_labels
+    from bench_matrix import kept_runs, row_labels, unpooled
 
     def run(*cs):
         return {"rows": {f"c={c}": {} for c in cs}, "identity": {}}
@@ -141,6 +142,9 @@ def test_matrix_waves_pool_per_concurrency():
     kept, have = kept_runs(cell, want(4, 16), "waves", True)
     assert have == 0 and [row_labels([r]) for r in kept] == [["c=64"]] * 3
     assert kept_runs(cell, {**want(4), "arms": ["b"]}, "waves", False) == ([], 0)
+    # Said at planning: runs at other settings are replaced at every concurrency.
+    assert unpooled(cell, {**want(4), "arms": ["b"]}, "waves") == ["arms"] and not unpooled(cell, want(4), "waves")
+    assert unpooled(None, want(4), "waves") == [] and unpooled(cell, want(4), "soak") == ["concurrency"]
     assert row_labels([run(16, 4), run(1)]) == ["c=1", "c=4", "c=16"]
     soak = {"settings": {"x": 1}, "runs": [run(24)]}
     assert kept_runs(soak, {"x": 1}, "soak", False)[1] == 1 and kept_runs(soak, {"x": 1}, "soak", True) == ([], 0)
