@@ -19,12 +19,11 @@ Until ``awake_probe_window // 2`` are in, the share is unknown and nothing
 floors the price (a share taken too low would floor it too high); after, it
 is the upper quartile of the last window's. While a batch size's share is
 unmeasured, the dormant checks there stay at their shortest gap, for at
-most ``awake_probe_window`` of them (dormancy.py): each arms a probe, so a
-fresh engine measures it during its warm-up, before its first trial, which
-is the episode a slow spell beginning with it books as a loss unless the
-floor corrects its price (with the checks spreading out, one probe was in
-by then). Every input is a step count or rank 0's timing: under tensor
-parallelism every rank probes on the same steps.
+most ``awake_probe_window`` of them (dormancy.py): each arms a probe, so
+the share comes within a few checks (spreading out, they took hundreds of
+steps). A batch size's first episode still opens at its first check, before
+any probe there, and runs unfloored. Every input is a step count or rank
+0's timing: under tensor parallelism every rank probes on the same steps.
 """
 
 from collections import deque
