@@ -89,13 +89,13 @@ from vllm_dspark.controller.tuning import ControllerTuning
 
 class ExplorationBudget:
     def __init__(self, nospec: OnlineCostModel, tuning: ControllerTuning, decode: OnlineCostModel | None = None,
-                 pace: MachinePace | None = None, awake: AwakeProbes | None = None):
+                 pace: MachinePace | None = None):
         """``decode``: the nospec model of decode steps alone (costs.py), which
         prices decoded tokens and decode steps (default: ``nospec``). Both
         learn in ``pace``'s units; priced at its factor now (pace.py) and at
-        an episode's drift (drift.py; ``awake``: its floor's awake share)."""
+        an episode's drift (drift.py; its floor's awake share: awake.py)."""
         self._nospec, self._decode, self._pace = nospec, decode or nospec, pace or MachinePace(tuning)
-        self.awake = awake or AwakeProbes(tuning)
+        self.awake = AwakeProbes(tuning)
         self.drift = EpisodeDrift(self._decode, self._pace, tuning)
         t = tuning
         self._share, self._cap, self._reserve = t.budget_share, t.budget_cap_steps, t.episode_tokens
