@@ -68,11 +68,33 @@ def test_checks_hurry_only_while_the_share_is_unmeasured_and_a_window_of_them_at
     class; never with probes off."""
     window = TUNING.awake_probe_window
     probes = AwakeProbes(TUNING)
-    assert [probes.hurries(4) for _ in range(window + 2)] == [True] * window + [False, False]
-    assert probes.hurries(1) and probes.hurries(16)  # another class on its own
+    assert [probes.hurries(4, i) for i in range(window + 2)] == [True] * window + [False, False]
+    assert probes.hurries(1, 0) and probes.hurries(16, 0)  # another class on its own
     measured = AwakeProbes(TUNING)
-    assert measured.hurries(2)
+    assert measured.hurries(2, 0)
     for i in range(window // 2):
         assert _probe(measured, i, 0.1, reqs=2)
-    assert not measured.hurries(2) and not measured.hurries(3)
-    assert not AwakeProbes(ControllerTuning(awake_probe_window=0)).hurries(4)
+    assert not measured.hurries(2, 0) and not measured.hurries(3, 0)
+    assert not AwakeProbes(ControllerTuning(awake_probe_window=0)).hurries(4, 0)
+
+
+def test_episodes_wait_for_the_share_for_awake_wait_steps_from_the_first_held_off():
+    """``waits``: an episode that would open where the share is unmeasured is
+    held off, and the checks hurry meanwhile beyond the window; one wait for
+    the engine, ``awake_wait_steps`` steps from the first episode held off,
+    whatever the batch size (a workload at many batch sizes must still
+    explore); never where the share is measured, nor with the wait or the
+    probes off."""
+    wait = TUNING.awake_wait_steps
+    probes = AwakeProbes(TUNING)
+    assert probes.hurries(1, 0)  # checks before any episode is due: the window's
+    assert probes.waits(1, 100)  # the first held off starts the wait
+    assert all(probes.hurries(1, 100 + i) for i in range(2 * TUNING.awake_probe_window))  # beyond the window
+    assert probes.waits(4, 100 + wait - 1) and not probes.waits(4, 100 + wait) and not probes.waits(1, 100 + wait)
+    assert probes.hurries(4, 100 + wait)  # the window's again, per class
+    measured = AwakeProbes(TUNING)
+    for i in range(TUNING.awake_probe_window // 2):
+        assert _probe(measured, i, 0.1, reqs=2)
+    assert not measured.waits(2, 0) and measured.waits(1, 0)
+    assert not AwakeProbes(ControllerTuning(awake_wait_steps=0)).waits(1, 0)
+    assert not AwakeProbes(ControllerTuning(awake_probe_window=0)).waits(1, 0)

@@ -28,7 +28,11 @@ def trace():
     return load_trace(TRACE)
 
 
-def _budget(tuning=TUNING) -> ExplorationBudget:
+# Episodes open at once: the wait for the awake share is tested on its own (test_awake.py, test_controller.py).
+NO_WAIT = ControllerTuning(awake_wait_steps=0)
+
+
+def _budget(tuning=NO_WAIT) -> ExplorationBudget:
     nospec = OnlineCostModel(tuning=tuning.cost)
     nospec.pin(CostParams(STEP, 0.0, 0.0), "test")
     return ExplorationBudget(nospec, tuning)
@@ -331,10 +335,10 @@ def test_a_dormant_engine_wakes_for_a_due_retest_though_its_models_say_no():
     d = Dormancy(TUNING, 32, b)
     assert d.dormant
     _lose_episode(b)
-    d.heed(False, 0.0, 1)  # models settled, saying no, loss not earned back
+    d.heed(False, 0.0, 1, 0)  # models settled, saying no, loss not earned back
     assert d.dormant
     _earn_until_due(b)
-    d.heed(False, 0.0, 1)
+    d.heed(False, 0.0, 1, 0)
     assert not d.dormant and b.episode_open
 
 
@@ -351,7 +355,7 @@ def test_an_exploring_episode_is_a_trial_that_drafts_whatever_the_models_say():
     b = _budget()
     b.settle(_plain())
     d = Dormancy(TUNING, after, b)
-    d.heed(True, 0.0, 1)  # curious: the models know too little
+    d.heed(True, 0.0, 1, 0)  # curious: the models know too little
     assert not d.dormant and d.on_trial(1)
     gate = DraftGate(7, TUNING, None)
     assert gate.drafts(-1.0, STEP, 1, NO_STEP, _costs(), d.on_trial(1))  # a losing verdict, drafted anyway
@@ -370,13 +374,13 @@ def test_an_exploring_episode_is_a_trial_that_drafts_whatever_the_models_say():
     # Woken where models that have seen enough drafting say it pays: no trial.
     d._paying = TUNING.dormant_exit_checks
     b.close()
-    d.heed(False, 0.0, 1)
+    d.heed(False, 0.0, 1, 0)
     assert not d.dormant and not d.on_trial(1)
     # Woken where they say it pays but know too little (curious): a trial all the same.
     d.sleep()
     d._paying = TUNING.dormant_exit_checks
     b.close()
-    d.heed(True, 0.0, 1)
+    d.heed(True, 0.0, 1, 0)
     assert not d.dormant and d.on_trial(1)
 
 
@@ -391,7 +395,7 @@ def test_an_episode_measured_gaining_stays_on_trial_whatever_the_models_say():
     b = _budget()
     b.settle(_plain())
     d = Dormancy(TUNING, after, b)
-    d.heed(True, 0.0, 1)  # curious: an exploring episode opens
+    d.heed(True, 0.0, 1, 0)  # curious: an exploring episode opens
     for _ in range(n):
         d.remember(False)  # its trial drafted...
     assert not d.on_trial(1)  # ...and nothing was priced
@@ -430,7 +434,7 @@ def test_a_gain_holds_at_the_batch_size_it_was_measured_at_only():
     b.settle(_plain())
     b.settle(_plain(16))
     d = Dormancy(TUNING, after, b)
-    d.heed(True, 0.0, 1)  # an exploring episode opens at one request
+    d.heed(True, 0.0, 1, 0)  # an exploring episode opens at one request
     for _ in range(n):
         d.remember(False)
     gaining = StepSample(1, 3, True, 1.2 * STEP, 0.2 * STEP, 1, plain=False, draft_tokens=2, accepted=2)
@@ -443,11 +447,11 @@ def test_a_gain_holds_at_the_batch_size_it_was_measured_at_only():
         d.remember(True)
     d.update(-1.0, 1.0, 0.0, settled=True, rows=16)
     assert d.dormant  # the models' rule ends it there
-    d.heed(False, 0.0, 16)  # the episode closes, gaining at one request
+    d.heed(False, 0.0, 16, 0)  # the episode closes, gaining at one request
     assert b.gained(1) and not b.gained(16)
-    d.heed(False, 0.0, 16)
+    d.heed(False, 0.0, 16, 0)
     assert d.dormant  # at 16 nothing is due
-    d.heed(False, 0.0, 1)
+    d.heed(False, 0.0, 1, 0)
     assert not d.dormant and d.exploring  # back at one request: due, and a trial
     losing = StepSample(1, 3, True, 1.5 * STEP, 0.2 * STEP, 1, plain=False, draft_tokens=2, accepted=0)
     won = -n * (1.2 * STEP - 3 * STEP)  # each gaining step saved two plain steps
@@ -530,7 +534,7 @@ def test_a_trial_takes_its_price_steps_once_it_has_drafted_enough_and_books_a_lo
         if b.episode_open:
             b.close()
         b.balance = 1.0
-        d.heed(True, 0.0, 1)
+        d.heed(True, 0.0, 1, 0)
         assert d.exploring
         b._gain = {1: (1e-3 if losing else -1e-3, 1)}
         asked = []
@@ -699,19 +703,19 @@ def test_an_episode_spent_where_the_next_is_due_goes_on_without_a_dormant_step()
     b = _budget()
     b.settle(_plain())
     d = Dormancy(TUNING, 32, b)
-    d.heed(True, 0.0, 1)  # a fresh engine's exploring episode
+    d.heed(True, 0.0, 1, 0)  # a fresh engine's exploring episode
     gaining = StepSample(1, 8, True, 0.006, 0.001, 1, plain=False, draft_tokens=7, accepted=7)
     for _ in range(4 * TUNING.trial_steps):
         b.settle(gaining)
         d.remember(False)
-        d.heed(False, 0.0, 1)
+        d.heed(False, 0.0, 1, 0)
     assert not d.dormant and b.gaining(1)
     losing = StepSample(1, 8, True, 0.020, 0.005, 1, plain=False, draft_tokens=7, accepted=0)
     before, episodes = b.excess, 0
     for _ in range(10_000):
         b.settle(losing)
         spent = b.spent(0.0)
-        d.heed(False, 0.0, 1)
+        d.heed(False, 0.0, 1, 0)
         if d.dormant:
             break
         episodes += spent

@@ -476,29 +476,50 @@ def test_a_dormant_engine_probes_its_awake_step_against_the_run_before_it():
     assert max(b - a for a, b in zip(probed[:window], probed[1:window])) <= TUNING.dormant_recheck_max + 2
 
 
-def test_a_fresh_engine_s_first_episode_finds_the_awake_share_measured():
-    """Without the awake share nothing floors an episode's price (awake.py),
-    and a fresh engine's first trial is the one a slow spell beginning with
-    it books as drafting's loss. So while the share is unmeasured the
-    dormant checks stay close, each arming a probe, and the warm-up and the
-    dormant steps before the first trial measure it. Here plain steps take
-    4 ms, the rule's 5 ms and a probe 4.4 ms (a share of 10%), in waves of
-    two requests of 48 steps, the first the warm-up (costs.warm_up)."""
+def _first_episode(tuning: ControllerTuning, wave: int, later: int) -> tuple[int, float | None]:
+    """A fresh engine's step at which its first episode opened, and the awake
+    share at its batch then: plain steps take 4 ms, the rule's 5 ms and a
+    probe 4.4 ms (a share of 10%), in waves of ``wave`` steps: the first,
+    the warm-up (costs.warm_up), of two requests, the rest of ``later``."""
     t = [0.0]
-    ctl = DSparkController(DSparkKnobs(persist_cost_model=False), block_len=4, plain_steps=True, now=lambda: t[0])
-    for i in range(64 * TUNING.dormant_recheck_every):
-        w = i // 48
-        v = _view((f"a{w}", f"b{w}"), new=(f"a{w}", f"b{w}") if i % 48 == 0 else ())
+    ctl = DSparkController(DSparkKnobs(persist_cost_model=False), block_len=4, plain_steps=True,
+                           now=lambda: t[0], tuning=tuning)
+    for i in range(64 * tuning.dormant_recheck_every):
+        w = i // wave
+        reqs = tuple(f"{r}{w}" for r in "abcd"[:2 if w == 0 else later])
+        v = _view(reqs, new=reqs if i % wave == 0 else ())
         if ctl.coasts(v.req_ids, bool(v.new_req_ids), v.verifies, v.finished_req_ids, v.tokens):
             t[0] += 4e-3
             continue
         plain = ctl.begin_step(v) is not None
         if not ctl.dormancy.dormant:
-            break
+            return i, ctl.budget.awake.share(len(reqs))
         t[0] += 5e-3 if plain else 4.4e-3
         ctl.end_step(StepTiming())
-    assert not ctl.dormancy.dormant, "no episode opened"
-    assert ctl.budget.awake.share(2) == pytest.approx(0.1, abs=0.02)
+    raise AssertionError("no episode opened")
+
+
+def test_a_fresh_engine_s_first_episode_finds_the_awake_share_measured():
+    """Without the awake share nothing floors an episode's price (awake.py),
+    and a fresh engine's first trial at a batch size is the one a slow spell
+    beginning with it, or a price that drifted low, books as drafting's
+    loss. So while the share is unmeasured the dormant checks stay close,
+    each arming a probe, and the warm-up measures it at its batch size; at
+    another (one request after a warm-up at two), no episode opens there
+    until its probes have: without the wait (``awake_wait_steps`` 0) the
+    first trial opened at once, with no share. Where the runs are too short
+    to probe (waves of 2 steps), speculation still starts, within
+    ``awake_wait_steps`` of when it would have."""
+    wait = TUNING.awake_wait_steps
+    step, share = _first_episode(TUNING, 48, 2)
+    assert share == pytest.approx(0.1, abs=0.02)
+    step, share = _first_episode(TUNING, 48, 1)
+    assert share == pytest.approx(0.1, abs=0.02)
+    unwaited, none = _first_episode(ControllerTuning(awake_wait_steps=0), 48, 1)
+    assert none is None and unwaited < step <= unwaited + wait
+    short, none = _first_episode(TUNING, 2, 1)
+    unwaited, _ = _first_episode(ControllerTuning(awake_wait_steps=0), 2, 1)
+    assert none is None and unwaited < short <= unwaited + wait
 
 
 def test_a_fresh_engine_s_warm_up_steps_coast():
@@ -714,7 +735,7 @@ def test_dormant_after_a_long_skip_until_drafting_pays():
     every dormant_recheck_every steps; dormant_exit_checks of them in a row
     where drafting would pay end it, even if the request there has no
     context (those steps skip)."""
-    tuning = ControllerTuning(probe_loss_budget=1e-9)  # probes as seldom as allowed
+    tuning = ControllerTuning(probe_loss_budget=1e-9, awake_wait_steps=0)  # probes as seldom as allowed; no wait
     recheck = tuning.dormant_recheck_every
     ctl = _skip_rule_ctl(tuning, dormant_after_steps=16)
     _fund(ctl)
@@ -758,7 +779,7 @@ def test_dormancy_ends_only_where_drafting_pays_beyond_the_cost_models_error():
     exceeds the models' recent mean relative error times that cost: not at
     500% error, yes at 100%; and only while the budget holds an episode's
     reserve."""
-    tuning = ControllerTuning(probe_loss_budget=1e-9)
+    tuning = ControllerTuning(probe_loss_budget=1e-9, awake_wait_steps=0)  # episodes open at once
     ends = []
     for running, error, funded in ((8, 5.0, True), (8, 1.0, True), (8, 1.0, False)):
         ctl = _skip_rule_ctl(tuning, dormant_after_steps=16)
@@ -809,7 +830,8 @@ def test_dormant_engine_never_drafts_and_re_tests_on_a_full_budget():
     """Dormant, nothing drafts, even a request with context; the verdict
     (drafting does not pay) is re-tested once the balance is full: an
     episode starts, and requests admitted then keep context."""
-    tuning = ControllerTuning(probe_loss_budget=1e9)  # awake, a probe would come every probe_every
+    # Awake, a probe would come every probe_every; episodes open at once.
+    tuning = ControllerTuning(probe_loss_budget=1e9, awake_wait_steps=0)
     ctl = _skip_rule_ctl(tuning, dormant_after_steps=16, slo_tokens_per_s=1e6)  # never pays
     _fund(ctl)
     ctl.dormancy.sleep()

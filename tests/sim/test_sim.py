@@ -96,10 +96,10 @@ def test_lengths_never_read_their_own_outcomes(trace, name):
     """Change every outcome of step s: every choice up to and including step s
     stays the same (later ones may react to it, as they should)."""
     curve = gpu_curves(trace.block_len)[0]
-    s = 60  # a fresh controller runs plain steps first (its exploration budget)
+    s = 220  # a fresh controller runs plain steps first (its exploration budget, its wait for the awake share)
     runs = []
     for flip in (False, True):
-        blocks = draw_blocks(trace, 8, 70, seed=2)
+        blocks = draw_blocks(trace, 8, 230, seed=2)
         if flip:
             blocks.accepted[s] = trace.block_len - blocks.accepted[s]
         policy = next(p for p in make_policies(trace, curve, 8, profiled=fit_linear(curve, 7, "p")) if p.name == name)

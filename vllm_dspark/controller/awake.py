@@ -18,12 +18,18 @@ in ``awake_probe_every`` steps; a probe costs the awake share of one step.
 Until ``awake_probe_window // 2`` are in, the share is unknown and nothing
 floors the price (a share taken too low would floor it too high); after, it
 is the upper quartile of the last window's. While a batch size's share is
-unmeasured, the dormant checks there stay at their shortest gap, for at
-most ``awake_probe_window`` of them (dormancy.py): each arms a probe, so
-the share comes within a few checks (spreading out, they took hundreds of
-steps). A batch size's first episode still opens at its first check, before
-any probe there, and runs unfloored. Every input is a step count or rank
-0's timing: under tensor parallelism every rank probes on the same steps.
+unmeasured, no episode opens there and its dormant checks stay at their
+shortest gap, each arming a probe (dormancy.py), so the share comes within
+a few checks (spreading out, they took hundreds of steps): a fresh engine's
+first trial at a batch size is the episode a slow spell, or a price that
+drifted low, books as a loss unless the floor corrects its price. The wait
+is one for the whole engine, ``awake_wait_steps`` engine steps from the
+first episode it held off, however many batch sizes wait (where runs of
+decode steps are too rare to probe, speculation must still start: it then
+runs unfloored); outside it, a batch size's checks stay close for at most
+``awake_probe_window`` of them. Every input is a step count or rank 0's
+timing: under tensor parallelism every rank probes (and waits) on the same
+steps.
 """
 
 from collections import deque
@@ -35,6 +41,8 @@ from vllm_dspark.controller.tuning import ControllerTuning
 class AwakeProbes:
     def __init__(self, tuning: ControllerTuning):
         self._every, self._window = tuning.awake_probe_every, tuning.awake_probe_window
+        self._wait = tuning.awake_wait_steps if self._window else 0
+        self._wait_from: int | None = None  # the engine step of the first episode held off (waits)
         self._shares: dict[int, deque[float]] = {}  # batch-size class -> the last probes' shares
         self._last = -self._every  # the step of the last probe
         self._armed: tuple[int, int, float] | None = None  # the next step probes: its batch, the run's mean step
@@ -72,13 +80,28 @@ class AwakeProbes:
         target = s.seconds - s.draft_seconds  # the rule's time is speculation's, as in a price step
         self._shares.setdefault(s.reqs.bit_length(), deque(maxlen=self._window)).append(target / probe[2] - 1.0)
 
-    def hurries(self, reqs: int) -> bool:
-        """A dormant check at about ``reqs`` requests: keep the next one at
-        the shortest gap? While the share there is unmeasured, for at most
+    def waits(self, reqs: int, step: int) -> bool:
+        """An episode would open at about ``reqs`` requests at engine step
+        ``step``: hold it off? While the share there is unmeasured, within
+        ``awake_wait_steps`` of the first episode held off."""
+        if not self._wait or self.share(reqs) is not None:
+            return False
+        if self._wait_from is None:
+            self._wait_from = step
+        return step - self._wait_from < self._wait
+
+    def hurries(self, reqs: int, step: int) -> bool:
+        """A dormant check at about ``reqs`` requests at engine step ``step``:
+        keep the next one at the shortest gap? While the share there is
+        unmeasured: throughout the wait (waits), else for at most
         ``awake_probe_window`` checks (where runs of decode steps are too
-        rare to probe, the checks then spread out as before)."""
+        rare to probe, the checks then spread out as before probes)."""
         c = reqs.bit_length()
-        if not self._window or self.share(reqs) is not None or self._hurried.get(c, 0) >= self._window:
+        if not self._window or self.share(reqs) is not None:
+            return False
+        if self._wait_from is not None and step - self._wait_from < self._wait:
+            return True
+        if self._hurried.get(c, 0) >= self._window:
             return False
         self._hurried[c] = self._hurried.get(c, 0) + 1
         return True

@@ -161,7 +161,7 @@ class DSparkController:
             return self._skip()
         estimate = self.acceptance.estimate()
         if estimate is None:
-            dormancy.heed(True, self._building, rows)
+            dormancy.heed(True, self._building, rows, self.steps)
             self.depth = self.k
             contexts = self._admit(requests)
             return self._skip(counted=contexts > 0) if contexts == 0 or dormancy.dormant else self._draft()
@@ -169,7 +169,7 @@ class DSparkController:
         verdict = assessment.best()
         curious = not self.costs.draft.trusted
         dormancy.update(verdict.net, verdict.spend, self.costs.margin(), settled=not curious, rows=rows)
-        dormancy.heed(curious, self._building, rows)
+        dormancy.heed(curious, self._building, rows, self.steps)
         contexts = self._admit(requests)
         if dormancy.dormant or (dormancy.guarded and self.budget.draft_tokens(self._building) == 0):
             return self._skip()

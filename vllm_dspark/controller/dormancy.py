@@ -106,8 +106,8 @@ class Dormancy:
     def guarded(self) -> bool:
         return self.budget is not None
 
-    def heed(self, curious: bool, building: float, rows: int) -> None:
-        """The exploration budget's say at ``rows`` requests (unguarded: the
+    def heed(self, curious: bool, building: float, rows: int, step: int) -> None:
+        """The exploration budget's say at ``rows`` requests at engine step ``step`` (unguarded: the
         models' alone). An episode of speculation starts where the models say drafting pays
         (on credit, more where they are not ``curious``: budget.py), or,
         while the budget holds its reserve, where they know too little to say
@@ -116,19 +116,16 @@ class Dormancy:
         full (re-testing a verdict that may be stale); it ends as soon as the budget is spent (``building``: the
         share of the batch without drafter context). One that ends where the next is due at once (what episodes
         there gained still funds it) goes on as that one, with no step between: a dormant step would run plain,
-        and every request in it would lose its drafter context for good (at one request, the rest of it)."""
-        budget = self.budget
-        if self.dormant:  # the next check: further off while checks find nothing new (and probes, awake.py)
-            same = rows.bit_length() == self._checked_class and not self._paying
-            hurry = budget is not None and budget.awake.hurries(rows)
-            self._gap = min(2 * self._gap, self._max_recheck) if same and not hurry else self._recheck
-            self._checked_class = rows.bit_length()
+        and every request in it would lose its drafter context for good (at one request, the rest of it). A
+        dormant engine's episode waits while the awake share there is unmeasured, for a while (awake.py)."""
+        budget, was_dormant = self.budget, self.dormant
         if budget is None:
-            if self.dormant and self.pays:
+            if was_dormant:
+                self._space(rows, False)
+            if was_dormant and self.pays:
                 self.wake()
             return
-        goes_on = not self.dormant
-        if goes_on:
+        if not was_dormant:
             if not budget.spent(building, rows):
                 return
             self.sleep()
@@ -136,13 +133,24 @@ class Dormancy:
             budget.close()
         pays = self.pays
         due = budget.full or budget.retest_due(rows) or budget.gained(rows)
-        if budget.affords_episode(pays, rows) and (pays or curious or due):
+        opens = budget.affords_episode(pays, rows) and (pays or curious or due)
+        opens = opens and not (was_dormant and budget.awake.waits(rows, step))
+        if was_dormant:
+            self._space(rows, budget.awake.hurries(rows, step))
+        if opens:
             sure = pays and not curious
             budget.open(sure, rows)
             self.wake()
             # Going on, the models decide: a trial would draft on through the stretch that just lost.
-            self._trial = 0 if sure or goes_on else self._trial_steps
+            self._trial = 0 if sure or not was_dormant else self._trial_steps
             self._trial_priced = False
+
+    def _space(self, rows: int, hurry: bool) -> None:
+        """A dormant check at ``rows`` requests: the next one further off while checks find nothing new,
+        unless ``hurry`` (probes are wanted: awake.py)."""
+        same = rows.bit_length() == self._checked_class and not self._paying
+        self._gap = min(2 * self._gap, self._max_recheck) if same and not hurry else self._recheck
+        self._checked_class = rows.bit_length()
 
     def lasts(self, building: float, rows: int) -> bool:
         """Awake, and the budget would not end the episode this step (heed)."""

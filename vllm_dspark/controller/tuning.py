@@ -102,6 +102,7 @@ class ControllerTuning:
     trial_price_at: int = 16  # a trial's drafting steps before its explore skip and price steps: sooner floors its price sooner
     awake_probe_every: int = 256  # dormant steps between probes of the awake step once measured: fewer follows drift sooner, costs more
     awake_probe_window: int = 8  # probes in the awake share's estimate: more is steadier, slower to start (0: none)
+    awake_wait_steps: int = 128  # engine steps episodes may wait for the awake share, from the first held off: more floors more first trials, explores later (0: none)
     # Start-up (runner.py)
     warm_up_requests: int = 4  # verify token counts of batches up to this many requests run once before serving: more start-up time, fewer first runs in trials
     cost: CostModelTuning = field(default_factory=CostModelTuning)
