@@ -88,7 +88,10 @@ class AwakeProbes:
             return False
         if self._wait_from is None:
             self._wait_from = step
-        return step - self._wait_from < self._wait
+        return self._waiting(step)
+
+    def _waiting(self, step: int) -> bool:
+        return self._wait_from is not None and step - self._wait_from < self._wait
 
     def hurries(self, reqs: int, step: int) -> bool:
         """A dormant check at about ``reqs`` requests at engine step ``step``:
@@ -99,7 +102,7 @@ class AwakeProbes:
         c = reqs.bit_length()
         if not self._window or self.share(reqs) is not None:
             return False
-        if self._wait_from is not None and step - self._wait_from < self._wait:
+        if self._waiting(step):
             return True
         if self._hurried.get(c, 0) >= self._window:
             return False
