@@ -287,12 +287,9 @@ def kept_runs(cell: dict | None, want: dict, workload: str, fresh: bool) -> tupl
     many of them count toward --runs. Waves pool per concurrency (their
     settings but the concurrencies match): every run counts for each c asked
     for that it has a row of, and --fresh drops only those rows."""
-    if not cell:
+    if not cell or unpooled(cell, want, workload):
         return [], 0
     waves = workload == "waves"
-    rest = (lambda st: {k: v for k, v in st.items() if k != "concurrency"}) if waves else (lambda st: st)
-    if rest(cell.get("settings") or {}) != rest(want):
-        return [], 0
     runs = cell["runs"]
     if not waves:
         return ([], 0) if fresh else (runs, len(runs))
@@ -308,8 +305,8 @@ def unpooled(cell: dict | None, want: dict, workload: str) -> list[str]:
     if not (cell and cell.get("runs")):
         return []
     have = cell.get("settings") or {}
-    return sorted(k for k in set(have) | set(want)
-                  if have.get(k) != want.get(k) and not (workload == "waves" and k == "concurrency"))
+    return sorted(k for k in set(have) | set(want) if not (workload == "waves" and k == "concurrency")
+                  and (k not in have or k not in want or have[k] != want[k]))
 
 
 def settings(args, workload: str) -> dict:

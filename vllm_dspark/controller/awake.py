@@ -104,9 +104,10 @@ class AwakeProbes:
             return False
         if self._waiting(step):
             return True
-        if self._hurried.get(c, 0) >= self._window:
+        hurried = self._hurried.get(c, 0)
+        if hurried >= self._window:
             return False
-        self._hurried[c] = self._hurried.get(c, 0) + 1
+        self._hurried[c] = hurried + 1
         return True
 
     def share(self, reqs: int) -> float | None:
