@@ -342,32 +342,6 @@ def test_a_dormant_engine_wakes_for_a_due_retest_though_its_models_say_no():
     assert not d.dormant and b.episode_open
 
 
-def test_a_dormant_engine_opens_an_episode_only_at_a_batch_size_its_last_check_saw():
-    """A wave's first steps (its requests still arriving) and last ones (some
-    finished) run at fewer requests for a few steps: an episode opened there
-    ran on at the wave's batch size and lost there (a re-test due at three
-    requests, a sure one at one: AMD EPYC Zen 4, bf16, c=4 waves). So a
-    dormant engine opens one only where its last check saw the same batch
-    size (or at its first check); the checks keep coming meanwhile."""
-    from vllm_dspark.controller.dormancy import Dormancy
-
-    b = _budget()
-    b.settle(_plain())
-    b.settle(_plain(4))
-    d = Dormancy(TUNING, 32, b)
-    d.heed(False, 0.0, 4, 0)  # the first check: nothing due at four requests
-    assert d.dormant
-    d.heed(True, 0.0, 1, 0)  # curious at one request, seen by this check only
-    assert d.dormant
-    d.heed(True, 0.0, 4, 0)
-    assert d.dormant
-    d.heed(True, 0.0, 4, 0)  # four requests held from one check to the next
-    assert not d.dormant and d.exploring
-    first = Dormancy(TUNING, 32, b)
-    first.heed(True, 0.0, 1, 0)
-    assert not first.dormant  # a first check has none before it
-
-
 def test_an_exploring_episode_is_a_trial_that_drafts_whatever_the_models_say():
     """An episode the models did not call for drafts its first trial_steps
     steps with context, and the models' rule cannot end it meanwhile (a
@@ -478,9 +452,7 @@ def test_a_gain_holds_at_the_batch_size_it_was_measured_at_only():
     d.heed(False, 0.0, 16, 0)
     assert d.dormant  # at 16 nothing is due
     d.heed(False, 0.0, 1, 0)
-    assert d.dormant  # back at one request, at one check: a wave's last steps may be passing through
-    d.heed(False, 0.0, 1, 0)
-    assert not d.dormant and d.exploring  # held there: due, and a trial
+    assert not d.dormant and d.exploring  # back at one request: due, and a trial
     losing = StepSample(1, 3, True, 1.5 * STEP, 0.2 * STEP, 1, plain=False, draft_tokens=2, accepted=0)
     won = -n * (1.2 * STEP - 3 * STEP)  # each gaining step saved two plain steps
     episodes = 0

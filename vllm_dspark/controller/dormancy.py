@@ -117,9 +117,7 @@ class Dormancy:
         share of the batch without drafter context). One that ends where the next is due at once (what episodes
         there gained still funds it) goes on as that one, with no step between: a dormant step would run plain,
         and every request in it would lose its drafter context for good (at one request, the rest of it). A
-        dormant engine's episode opens only at a batch size its last check saw too (a wave's first and last
-        steps, at fewer requests, are gone by the next check: an episode opened there ran on at the wave's
-        batch, and lost there), and waits while the awake share there is unmeasured, for a while (awake.py)."""
+        dormant engine's episode waits while the awake share there is unmeasured, for a while (awake.py)."""
         budget, was_dormant = self.budget, self.dormant
         if budget is None:
             if was_dormant:
@@ -136,9 +134,8 @@ class Dormancy:
         pays = self.pays
         due = budget.full or budget.retest_due(rows) or budget.gained(rows)
         opens = budget.affords_episode(pays, rows) and (pays or curious or due)
-        if was_dormant:  # from a batch size held since the last check (not a wave's first or last steps)
-            held = rows.bit_length() == self._checked_class or not self._checked_class  # (or the first check)
-            opens = opens and held and not budget.awake.waits(rows, step)
+        opens = opens and not (was_dormant and budget.awake.waits(rows, step))
+        if was_dormant:
             self._space(rows, budget.awake.hurries(rows, step))
         if opens:
             sure = pays and not curious
