@@ -46,6 +46,9 @@ def test_trace_round_trip(tmp_path):
         assert greedy == was_greedy
         assert all(0.0 <= c <= 1.0 for c in cal)
     assert [s["seconds"] for s in trace.steps][:2] == pytest.approx([0.01, 0.011])
+    # A step says what it verified and accepted: its blocks' sums.
+    assert [s["draft_tokens"] for s in trace.steps] == [0] + [6] * 59
+    assert sum(s["accepted"] for s in trace.steps) == sum(b[4] for blocks in trace.requests.values() for b in blocks)
 
 
 def test_tracing_off_writes_nothing(tmp_path, monkeypatch):

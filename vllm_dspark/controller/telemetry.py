@@ -131,7 +131,8 @@ class Telemetry:
         if self.trace is not None:
             self.trace.step(costs.trace_json, step=step, reqs=sample.reqs, tokens=sample.tokens,
                             seconds=sample.seconds, draft_seconds=sample.draft_seconds, drafted=sample.drafted,
-                            verifies=sample.verifies)
+                            verifies=sample.verifies, depth=sample.depth, walk_seconds=sample.walk_seconds,
+                            draft_tokens=sample.draft_tokens, accepted=sample.accepted)
 
     def trace_blocks(self, step: int, pending, outcome) -> None:
         """The verified blocks' outcomes, when tracing (``pending``: acceptance.PendingBlocks, or None)."""

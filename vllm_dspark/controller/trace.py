@@ -9,7 +9,8 @@ Off by default; on with ``additional_config["dspark"]["trace_dir"]`` or
     {"kind": "block", "step": s, "req": id, "greedy": b, "raw": [K logits],
      "cal": [K probabilities], "verified": n, "accepted": a}
     {"kind": "step", "step": s, "reqs": R, "tokens": B, "seconds": t,
-     "draft_seconds": d, "drafted": n, "verifies": b}
+     "draft_seconds": d, "drafted": n, "verifies": b, "depth": D, "walk_seconds": w,
+     "draft_tokens": v, "accepted": a}
     {"kind": "costs", "step": s, "spec": {...}, "plain": {...}, "draft": {...}}
 
 A block's raw confidences are the head's logits at drafting time, ``cal`` the
