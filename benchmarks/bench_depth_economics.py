@@ -122,8 +122,8 @@ def plot(record: dict, path: Path) -> None:
     a.set_title("marginal cost, paired adjacent steps", fontsize=9)
     b.bar([s["position"] for s in res["survival"]], [s["survival"] for s in res["survival"]], color="tab:green")
     b.set_xlabel("draft position")
-    b.set_ylabel("share of blocks accepted that far")
-    b.set_title("survival (full verification)", fontsize=9)
+    b.set_ylabel("accepted that far, of the blocks verified that far")
+    b.set_title("survival per position (full verification)", fontsize=9)
     rows = res["per_depth"]
     c.bar([str(r["depth"]) for r in rows], [r["tokens_per_s"] for r in rows],
           yerr=[[r["tokens_per_s"] - r["interval90"][0] for r in rows], [r["interval90"][1] - r["tokens_per_s"] for r in rows]],
@@ -132,7 +132,8 @@ def plot(record: dict, path: Path) -> None:
     c.set_ylabel("tokens/s")
     c.set_title("throughput by depth (best in red)", fontsize=9)
     m = record["machine"]
-    fig.suptitle(f"{m.get('cpu', '?')} x{m.get('cores', '?')}, {record['dtype']}, c={record['concurrency']}, "
+    fig.suptitle(f"{m.get('cpu', '?')} ({m.get('cpu_id', '?')}) x{m.get('cores', '?')}, {record['dtype']}, "
+                 f"c={record['concurrency']}, "
                  f"depths {record['depths']} drawn per step, {res['steps_used']} steps", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
