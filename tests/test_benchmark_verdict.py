@@ -191,3 +191,34 @@ def test_cold_start_add_pools_earlier_pairs_with_their_commit(tmp_path):
     out.write_text(json.dumps(record))  # a record from before the engines took turns: one after the other
     with pytest.raises(SystemExit, match="sequential"):
         earlier_pairs(args)
+
+
+def test_stray_engine_processes_are_found_and_this_runs_are_not(tmp_path):
+    """An engine-titled process this run started is its own; one whose
+    parent is gone (a grandchild left behind, as an engine core is when its
+    client ends without shutting it down) is stray, and provenance counts it."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    title = "open('/proc/self/comm', 'w').write('VLLM::TestCore'); import time; time.sleep(60)"
+    child = subprocess.Popen([sys.executable, "-c", title])
+    pid_file = tmp_path / "pid"
+    orphaner = (f"import subprocess, sys; p = subprocess.Popen([sys.executable, '-c', {title!r}]); "
+                f"open({str(pid_file)!r}, 'w').write(str(p.pid))")
+    subprocess.run([sys.executable, "-c", orphaner], check=True)
+    stray = int(pid_file.read_text())
+    try:
+        for _ in range(100):  # the titles are written once the interpreters start
+            found = benchmarking.stray_engines()
+            if stray in found and Path(f"/proc/{child.pid}/comm").read_text().strip() == "VLLM::TestCore":
+                break
+            time.sleep(0.05)
+        assert stray in found and child.pid not in found
+        assert benchmarking.provenance([], engine=False)["stray_engine_processes"] >= 1
+    finally:
+        child.kill()
+        child.wait()
+        os.kill(stray, signal.SIGKILL)
