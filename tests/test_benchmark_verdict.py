@@ -203,6 +203,8 @@ def test_stray_engine_processes_are_found_and_this_runs_are_not(tmp_path):
     import sys
     import time
 
+    from vllm_dspark import strays
+
     title = "open('/proc/self/comm', 'w').write('VLLM::TestCore'); import time; time.sleep(60)"
     child = subprocess.Popen([sys.executable, "-c", title])
     pid_file = tmp_path / "pid"
@@ -212,7 +214,7 @@ def test_stray_engine_processes_are_found_and_this_runs_are_not(tmp_path):
     stray = int(pid_file.read_text())
     try:
         for _ in range(100):  # the titles are written once the interpreters start
-            found = benchmarking.stray_engines()
+            found = strays.stray_engines()
             if stray in found and Path(f"/proc/{child.pid}/comm").read_text().strip() == "VLLM::TestCore":
                 break
             time.sleep(0.05)

@@ -68,6 +68,8 @@ def start_engine(model: str, max_num_seqs: int, spec: dict | None = None,
     additional_config["dspark"] block."""
     from vllm import LLM
 
+    from vllm_dspark.strays import warn_stray_engines
+
     warn_stray_engines()
     kw = {**ENGINE_DEFAULTS, "model": model, "max_num_seqs": max_num_seqs, **overrides}
     if spec is not None:
@@ -235,6 +237,7 @@ def provenance(argv: list[str], engine: bool = True) -> dict:
     command, the environment that changes it, the engine settings (dtype, KV
     bytes: ``engine``, the run started engines) and the machine."""
     from vllm_dspark.fingerprint import machine_info
+    from vllm_dspark.strays import stray_engines
 
     dirty = [line for line in _git("status", "--porcelain").splitlines() if "benchmarks/results/" not in line]
     env = {k: v for k, v in os.environ.items() if k.startswith(PERF_ENV_PREFIXES)}
@@ -243,51 +246,6 @@ def provenance(argv: list[str], engine: bool = True) -> dict:
     if engine:
         out["engine_defaults"] = ENGINE_DEFAULTS
     return out
-
-
-def stray_engines() -> list[int]:
-    """Running vLLM engine processes (``VLLM::`` titles) that this process did
-    not start. An engine core whose client ended without shutting it down
-    (a script's os._exit) spins on a core for good: 17 of them, left by
-    diagnostics, took the 2-core AMD host's load average to 78, and every
-    timing taken beside them was wrong (2026-12-07, CHANGELOG)."""
-    parents, engines = {}, []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            comm = (entry / "comm").read_text().strip()
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue  # ended while read, or not ours to read
-        pid = int(entry.name)
-        parents[pid] = int(fields[1])
-        if comm.startswith("VLLM::") and fields[0] not in ("Z", "X"):
-            engines.append(pid)
-
-    def ours(pid: int) -> bool:
-        seen = set()
-        while pid > 1 and pid not in seen:
-            if pid == os.getpid():
-                return True
-            seen.add(pid)
-            pid = parents.get(pid, 0)
-        return False
-
-    return sorted(pid for pid in engines if not ours(pid))
-
-
-def warn_stray_engines() -> list[int]:
-    """Warn (vLLM's logger) when stray engine processes would share the cores with this run's."""
-    stray = stray_engines()
-    if stray:
-        from vllm_dspark.log import get_logger
-
-        get_logger(__name__).warning(
-            "%d vLLM engine processes this run did not start are running (pids %s): they take CPU from "
-            "every timing here. Stop them (kill %s) and start again.", len(stray),
-            " ".join(map(str, stray[:8])), " ".join(map(str, stray)))
-    return stray
 
 
 def head_commit() -> str:
@@ -323,6 +281,8 @@ def start_server(target: str, args: list[str], log_path: Path, env: dict | None 
     import sys
     import time
     import urllib.request
+
+    from vllm_dspark.strays import warn_stray_engines
 
     warn_stray_engines()
     port = free_port()

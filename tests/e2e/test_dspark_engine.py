@@ -74,19 +74,22 @@ def test_bad_max_verify_is_rejected_at_admission(llm, identity_prompts):
 def test_controller_learned_something(llm):
     """Whether drafting pays depends on this machine (on a 2-core CPU the
     controller mostly skips the drafter), so this checks what it measured,
-    not what it decided."""
+    not what it decided: it explored (drafted at least once), and how much
+    it verified is the machine's call (on the AMD EPYC Zen 4 host, 3 drafting
+    steps verifying nothing on one day, 7-9 verifying 14 tokens on another)."""
     from vllm_dspark.controller.tuning import CostModelTuning
 
     prior = CostModelTuning().prior
     snap = llm.collective_rpc("dspark_snapshot")[0]
-    assert snap["steps"] + snap["skipped_steps"] > 100 and snap["budget_tokens_total"] > 0
+    assert snap["steps"] + snap["skipped_steps"] > 100 and snap["steps"] > 0
     assert snap["cost_model_mape"] is not None
     for key in ("plain_cost_params", "draft_cost_params"):  # both measured, neither left at the prior
         fitted = tuple(snap[key][k] for k in ("t0", "t_req", "t_tok"))
         # the whole fit, not one coefficient: a measured t0 may land on the prior's 5 ms (CI did)
         assert fitted != pytest.approx(prior, rel=1e-3, abs=1e-7), (key, snap[key])
-    greedy = snap["calibration"]["greedy"]
-    assert any(e is not None for e in greedy["ece_raw"])
+    if snap["accepted_tokens"] or snap["budget_tokens_total"]:  # outcomes came back: the calibration scored them
+        greedy = snap["calibration"]["greedy"]
+        assert any(e is not None for e in greedy["ece_raw"])
 
 
 @pytest.mark.parametrize(("temperature", "top_p"), [(1.0, None), (0.8, 0.9)])
