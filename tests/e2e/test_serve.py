@@ -81,6 +81,12 @@ def test_serve_greedy_identical(server, identity_prompts, nospec_reference):
                  "vllm_dspark:dormant", "vllm_dspark:plain_steps_total", "vllm_dspark:draft_depth_bucket",
                  'vllm_dspark:machine_pace{kind="trust"}'):
         assert name in metrics, name
+    # vLLM counted drafts, so the controller chose lengths: its counter shows
+    # them once a snapshot after the traffic lands (in make test one scrape
+    # a second after the traffic still read 0).
+    deadline = time.monotonic() + 10
+    while server_metric(server, "vllm_dspark:verify_budget_tokens_total") == 0 and time.monotonic() < deadline:
+        time.sleep(0.5)
     assert server_metric(server, "vllm_dspark:verify_budget_tokens_total") > 0
 
 
