@@ -2,7 +2,7 @@
 depth drawn at random per step: the ground truth the gate's depth choice is
 made against.
 
-    python benchmarks/bench_depth_economics.py                      # depths 3 and 7, c=1, ~2 min
+    python benchmarks/bench_depth_economics.py                      # depths 3 and 7, c=1, ~3 min
     python benchmarks/bench_depth_economics.py --depths 2 4 7 --concurrency 4 --dtype float32
 
 One DSpark engine in this process (the "uni" executor, as bench_step_phases.py),
@@ -24,7 +24,10 @@ Reported from the trace (JSON + PNG under benchmarks/results/latest/):
 - per depth, tokens per second over the steps that ran at that depth after
   a step at the same depth (as an engine held at that depth would run),
   with the best depth marked.
-Integrity: every request's output length is checked against ignore_eos.
+A no-spec engine in the same process takes turns with it round by round:
+its wall-clock tok/s is the run's baseline. Integrity: every request's
+output length is checked against ignore_eos, and both engines' greedy
+outputs on a sample of prompts are compared token for token.
 """
 
 import argparse
@@ -132,8 +135,10 @@ def plot(record: dict, path: Path) -> None:
     c.set_ylabel("tokens/s")
     c.set_title("throughput by depth (best in red)", fontsize=9)
     m = record["machine"]
+    base = record["nospec_baseline"]
     fig.suptitle(f"{m.get('cpu', '?')} ({m.get('cpu_id', '?')}) x{m.get('cores', '?')}, {record['dtype']}, "
-                 f"c={record['concurrency']}, "
+                 f"c={record['concurrency']}; the engine {base['dspark']:.0f} tok/s, no-spec {base['nospec']:.0f} "
+                 f"(wall, same rounds); "
                  f"depths {record['depths']} drawn per step, {res['steps_used']} steps", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -153,6 +158,8 @@ def main(argv=None) -> dict:
         ap.error("--depths: every depth must be at least 1")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process: its controller reachable
     os.environ["VLLM_DSPARK_CACHE_DIR"] = tempfile.mkdtemp(prefix="dspark_cache_")
+    from vllm import SamplingParams
+
     from vllm_dspark.benchmarking import TINY_DRAFTER, TINY_TARGET, measure_offline, start_engine, write_record
     from vllm_dspark.controller.trace import load_trace
     from vllm_dspark.fingerprint import machine_info
@@ -173,28 +180,47 @@ def main(argv=None) -> dict:
         return plan(requests)
 
     ctl.plan = drawn
-    measure_offline(llm, prompts, args.concurrency, 16)  # warm-up
-    tokens = 0
+    nospec = start_engine(str(REPO / TINY_TARGET), max(args.concurrency, 4), dtype=args.dtype,
+                          distributed_executor_backend="uni")
+    engines = {"dspark": llm, "nospec": nospec}
+    for engine in engines.values():
+        measure_offline(engine, prompts, args.concurrency, 16)  # warm-up
+    tokens, rates = {name: 0 for name in engines}, {name: [] for name in engines}
     for i in range(args.rounds):
-        sample = measure_offline(llm, prompts, args.concurrency, args.max_tokens)
-        tokens += sample.output_tokens
+        for name in (list(engines) if i % 2 == 0 else list(engines)[::-1]):  # a drift favours neither
+            sample = measure_offline(engines[name], prompts, args.concurrency, args.max_tokens)
+            tokens[name] += sample.output_tokens
+            rates[name].append(sample.tokens_per_s)
         if (i + 1) % 10 == 0:
-            print(f"[depth] round {i + 1}/{args.rounds}: {sample.tokens_per_s:.0f} tok/s", flush=True)
+            print(f"[depth] round {i + 1}/{args.rounds}: {rates['dspark'][-1]:.0f} tok/s, "
+                  f"no-spec {rates['nospec'][-1]:.0f}", flush=True)
     ctl.close()
     expected = args.rounds * args.concurrency * args.max_tokens
+    sample_prompts = [p["text"] for p in load_prompts()][:4]
+    greedy = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    outs = {name: [list(o.outputs[0].token_ids) for o in e.generate(sample_prompts, greedy, use_tqdm=False)]
+            for name, e in engines.items()}
+    baseline = {"unit": "wall-clock tok/s, median of the same rounds (the DSpark engine at the drawn depths)",
+                "nospec": statistics.median(rates["nospec"]), "dspark": statistics.median(rates["dspark"]),
+                "dspark_over_nospec": statistics.median(d / n for d, n in zip(rates["dspark"], rates["nospec"]))}
     result = analyse(load_trace(folder), args.concurrency, sorted(set(args.depths)))
     for name, v in result["marginal_costs"].items():
         if v:
             print(f"[depth] {name}: {v['us']:.1f} µs ({v['interval90_us'][0]:.1f} to {v['interval90_us'][1]:.1f}), "
                   f"{v['pairs']} pairs")
+    print(f"[depth] this engine {baseline['dspark']:.1f} tok/s against no-spec {baseline['nospec']:.1f} in the same "
+          f"rounds ({baseline['dspark_over_nospec']:.3f}x)")
     for r in result["per_depth"]:
         print(f"[depth] depth {r['depth']}: {r['tokens_per_s']:.1f} tok/s ({r['interval90'][0]:.1f}-"
               f"{r['interval90'][1]:.1f}), {r['accepted_per_request']:.2f} accepted a step, {r['steps']} steps")
     record = {"command": " ".join(["python", "benchmarks/bench_depth_economics.py", *(argv or sys.argv[1:])]),
               "machine": machine_info(), "dtype": args.dtype, "concurrency": args.concurrency,
               "depths": sorted(set(args.depths)), "rounds": args.rounds, "max_tokens": args.max_tokens,
-              "integrity": {"output_tokens": tokens, "expected": expected, "ok": tokens == expected},
-              "result": result, "wall_seconds": round(time.time() - t0, 1)}
+              "integrity": {"output_tokens": tokens, "expected_each": expected,
+                            "greedy_identical": sum(a == b for a, b in zip(outs["dspark"], outs["nospec"])),
+                            "greedy_compared": len(sample_prompts),
+                            "ok": all(n == expected for n in tokens.values())},
+              "nospec_baseline": baseline, "result": result, "wall_seconds": round(time.time() - t0, 1)}
     write_record(record, args.out, plot, "depth")
     return record
 
