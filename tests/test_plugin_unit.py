@@ -606,7 +606,7 @@ def test_snapshot_writer_ends_with_its_runner_and_at_stop(tmp_path, monkeypatch)
 
     from vllm_dspark import metrics
 
-    monkeypatch.setattr(metrics, "SNAPSHOT_INTERVAL_S", 0.01)
+    monkeypatch.setattr(metrics, "POLL_S", 0.01)
 
     class Runner:
         def __init__(self, n):
@@ -635,13 +635,16 @@ def test_snapshot_writer_ends_with_its_runner_and_at_stop(tmp_path, monkeypatch)
     assert not writer._thread.is_alive()
 
 
-def test_snapshots_are_made_only_while_scraped(tmp_path, monkeypatch):
-    """Unread, the writer makes no snapshot (it cost a dormant engine's steps
-    3-5% at 4 requests); the first scrape after a quiet spell marks the
-    directory and waits for a fresh one, and gets it."""
+def test_snapshots_are_made_once_a_scrape(tmp_path, monkeypatch):
+    """Unread, the writer makes no snapshot (written every 0.5 s while scraped,
+    they cost a dormant engine's steps 3-5% at 4 requests); each scrape asks
+    for one, waking the writer, and gets it, fresh, and one scrape is one
+    snapshot however long it then goes unread. A worker that does not answer
+    leaves the scrape its last snapshot after REQUEST_WAIT_S (the wait
+    blocks the serving event loop)."""
     from vllm_dspark import metrics
 
-    monkeypatch.setattr(metrics, "SNAPSHOT_INTERVAL_S", 0.01)
+    monkeypatch.setattr(metrics, "POLL_S", 0.01)
     made = []
 
     class Runner:
@@ -651,13 +654,19 @@ def test_snapshots_are_made_only_while_scraped(tmp_path, monkeypatch):
 
     runner = Runner()
     writer = metrics.SnapshotWriter(tmp_path, 0, runner.snapshot)
+    collector = metrics.DSparkCollector(str(tmp_path))
     try:
-        writer._stop.wait(0.2)  # about 20 intervals, unread
+        writer._stop.wait(0.2)  # about 20 polls, unread
         assert not made and not writer.path.exists()
-        snaps = metrics.DSparkCollector(str(tmp_path))._read()
-        assert made and snaps and snaps[0]["n"] >= 1
+        assert collector._read() == [{"n": 1}]
+        writer._stop.wait(0.2)  # read once: no more snapshots
+        assert len(made) == 1
+        assert collector._read() == [{"n": 2}]
     finally:
         writer.stop()
+    monkeypatch.setattr(metrics, "REQUEST_WAIT_S", 0.05)
+    assert collector._read() == [{"n": 2}]  # the writer is gone: its last one
+    assert len(made) == 2
 
     # Unread, the thread still ends with its runner (it holds none while it waits).
     import gc
@@ -670,6 +679,20 @@ def test_snapshots_are_made_only_while_scraped(tmp_path, monkeypatch):
     writer._thread.join(timeout=2)
     assert not writer._thread.is_alive(), "the thread outlived its runner"
 
+    # The scrape wakes the writer (unwoken, it would look in a minute), and so does stop().
+    monkeypatch.setattr(metrics, "POLL_S", 60.0)
+    monkeypatch.setattr(metrics, "REQUEST_WAIT_S", 30.0)
+    woken = metrics.SnapshotWriter(tmp_path / "woken", 0, runner.snapshot)
+    try:
+        for _ in range(200):  # the thread binds its socket as it starts (an engine's, long before a scrape)
+            if (tmp_path / "woken" / metrics.WAKE).exists():
+                break
+            woken._stop.wait(0.01)
+        assert metrics.DSparkCollector(str(tmp_path / "woken"))._read() == [{"n": 3}]  # unwoken: [] after 30 s
+    finally:
+        woken.stop()
+    assert not woken._thread.is_alive()
+
 
 def test_registering_the_collector_is_no_scrape(tmp_path, monkeypatch):
     """Registering the collector (vLLM's registry describes each collector
@@ -681,7 +704,7 @@ def test_registering_the_collector_is_no_scrape(tmp_path, monkeypatch):
 
     from vllm_dspark import metrics
 
-    monkeypatch.setattr(metrics, "SNAPSHOT_INTERVAL_S", 0.01)
+    monkeypatch.setattr(metrics, "POLL_S", 0.01)
     registry = CollectorRegistry(auto_describe=True)
     registry.register(metrics.DSparkCollector(str(tmp_path)))
     assert not (tmp_path / metrics.WANTED).exists()
