@@ -167,7 +167,8 @@ def main(argv=None) -> dict:
 
     t0, k = time.time(), max(args.depths)
     folder = Path(tempfile.mkdtemp(prefix="dspark_depth_trace_"))
-    prompts = [p["text"] for p in load_prompts()][: args.concurrency]
+    texts = [p["text"] for p in load_prompts()]
+    prompts = texts[: args.concurrency]
     llm = start_engine(str(REPO / TINY_TARGET), max(args.concurrency, 4), dtype=args.dtype,
                        spec={"method": "dspark", "model": str(REPO / TINY_DRAFTER), "num_speculative_tokens": k},
                        knobs={"policy": "full", "persist_cost_model": False, "trace_dir": str(folder)},
@@ -196,7 +197,7 @@ def main(argv=None) -> dict:
                   f"no-spec {rates['nospec'][-1]:.0f}", flush=True)
     ctl.close()
     expected = args.rounds * args.concurrency * args.max_tokens
-    sample_prompts = [p["text"] for p in load_prompts()][:4]
+    sample_prompts = texts[:4]
     greedy = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     outs = {name: [list(o.outputs[0].token_ids) for o in e.generate(sample_prompts, greedy, use_tqdm=False)]
             for name, e in engines.items()}
