@@ -543,6 +543,44 @@ def test_a_trial_takes_its_price_steps_once_it_has_drafted_enough_and_books_a_lo
             d.remember(False)
         assert asked.count(True) == losing, asked
         assert not losing or asked.index(True) == TUNING.trial_price_at, asked
+def test_a_step_above_the_price_is_priced_by_the_episode_s_price_steps_there_gains_and_all():
+    """Light arrivals: an episode priced at one request verifies at two.
+    Before its price steps there it is charged from above (the 1-request
+    price, never a gain); once, it takes them (price_due), and their median
+    less the awake share there (the floor) prices it, gains and all, and
+    every step up to more requests (a step at more requests costs no
+    less). Without the share measured there, it asks for none."""
+    from collections import deque
+
+    from vllm_dspark.controller.dormancy import Dormancy
+
+    nospec = OnlineCostModel(tuning=TUNING.cost)
+    b = ExplorationBudget(nospec, NO_WAIT)
+    for _ in range(2 * TUNING.budget_warmup_steps):
+        nospec.observe(1, 1, STEP)
+        b.settle(_plain())
+    d = Dormancy(NO_WAIT, 32, b)
+    b.open(False, 1)
+    d.wake()
+    assert not d.price_due(2)  # the awake share at two requests unmeasured: its floor could not stand
+    b.awake._shares[2] = deque([0.1] * TUNING.awake_probe_window)
+    # 15 ms for 2 requests + 6 drafts, 4 accepted: 2 plain steps saved at the price.
+    verify = StepSample(2, 8, True, 0.015, 0.004, 2, plain=False, draft_tokens=6, accepted=4)
+    b.settle(verify)
+    assert b.excess == 0.0  # from above: 15 ms against 5 + 2 x 5, never a gain
+    assert d.price_due(2) and not d.price_due(2) and not d.price_due(3)  # once an episode, up to as many
+    for _ in range(TUNING.price_steps):  # awake decode steps without drafts: 6.6 ms, 10% over a plain one
+        b.settle(StepSample(2, 2, False, 0.0066, 0.0, 0, plain=False))
+    b.settle(verify)
+    assert b.excess == pytest.approx(0.015 - 3 * 0.006)  # a plain step there 6 ms: a 3 ms gain
+    b.settle(verify._replace(reqs=3, tokens=9, accepted=6))
+    assert b.excess == pytest.approx(2 * (0.015 - 3 * 0.006))  # at three, the two-request floor stands
+    assert b._gain[2][1] == 2  # priced steps: they count toward an episode measured gaining
+    b.close()
+    b.open(False, 1)
+    assert d.price_due(2)  # a new episode asks anew
+
+
 def _costs():
     from vllm_dspark.controller.costs import StepCosts
 

@@ -17,8 +17,9 @@ drafts (its target ran a plain step's tokens: skipping steps at a batch
 size between arrivals must not end an episode that gains), and a decode step
 at fewer requests than the last priced one (a wave's tail), against that
 step's price. A verifying decode step at more requests than the last priced
-one is charged from above, against that price (a burst of arrivals), and
-never as a gain either.
+one (a burst of arrivals) is priced at what the episode's price steps
+measured there (it takes them once: gate.py, drift.py); before they have,
+it is charged from above, against that price, and never as a gain either.
 
 Once ``budget_warmup_steps`` plain steps were seen (after the engine's
 warm-up, which teaches no price: costs.py), the first decode step
@@ -65,16 +66,11 @@ steps less the awake path's share over a plain step (drift.py, awake.py).
 
 What an episode measured is kept per batch size (a power of two): it is
 gaining at the batch size of this step only (a gain banked at one request
-must not keep drafting on at 16, where the models say it loses), and a batch
-size where an episode ended gaining is remembered, so the next episode there
-is due whenever the engine is dormant at it, whatever the models say (at one
-request their verdict was wrong both ways; without this memory an engine
-that slept at 16 requests stayed plain at one, where it had gained 13-20%,
-for the rest of the run). What the episodes there gained, net of what later
-ones lost (up to the cap), funds the next one, and is forgotten once spent:
-otherwise one request the drafter cannot follow, after many it can, leaves
-an engine plain at one request while it earns that loss back at the share
-(docs/controller.md).
+must not keep drafting on at 16), and the next episode at a batch size where
+one ended gaining is due whenever the engine is dormant there, whatever the
+models say. What the episodes there gained, net of what later ones lost (up
+to the cap), funds the next one, and is forgotten once spent (the runs
+behind both: docs/controller.md).
 """
 
 import math
@@ -154,11 +150,16 @@ class ExplorationBudget:
         if not (self._token and decodes and (not prompts or self._fresh(nospec, s.reqs, s.tokens - s.draft_tokens))):
             verified = s.draft_tokens > 0
             if self._token and verified and not prompts and s.reqs > self._step_reqs:
-                # A verifying decode step at a larger batch than the last priced: a step without
-                # speculation there costs no less than one at fewer requests, so that price (and the
-                # steps its drafts saved at it) charges it from above, never as a gain: the price is
-                # older than the step, and noisy (docs/controller.md).
-                took = s.seconds + s.extra_seconds
+                # A verifying decode step at a larger batch than the last priced: priced at the floor
+                # the episode's price steps measured at up to as many requests, gains and all; without
+                # one, a step without speculation there costs no less than one at fewer requests, so
+                # that price charges it from above, never as a gain: it is older than the step, and
+                # noisy (docs/controller.md).
+                took, here = s.seconds + s.extra_seconds, self.drift.above(self._step_reqs, s.reqs, self.awake.share)
+                if here:
+                    saved *= here / self._step
+                    self._charge(here + saved, took - here - saved, s.reqs)
+                    return
                 excess = max(0.0, took - self._step - saved)
                 self._charge(took - excess, excess, s.reqs, False)
                 return
@@ -233,10 +234,7 @@ class ExplorationBudget:
     def _pay_in(self, baseline: float, amount: float) -> None:
         """A priced step: no speculation would have taken ``baseline``; the
         balance moves by ``amount``, gains up to the cap. A cap that fell with
-        the step's price (a step at fewer requests) does not cut what the
-        balance holds: under light arrivals the batch swings between one and
-        four requests, and each swing down took up to half the balance,
-        booked as the open episode's loss."""
+        the step's price (fewer requests) does not cut what the balance holds."""
         self.nospec_seconds += baseline
         cap = self._cap_seconds
         if amount < 0:
@@ -253,8 +251,7 @@ class ExplorationBudget:
         context before it drafts them all) it may run into debt: by up to the
         cap where models that have seen enough drafting say it pays
         (``sure``), else by what the balance holds now, up to a reserve at
-        this batch: a reserve granted at one request is 32 of its steps,
-        three at eleven (docs/controller.md)."""
+        this batch (docs/controller.md)."""
         held = min(max(self.balance, 0.0), self._reserve_seconds)
         self._credit = self._cap if sure else held / self._step
         self._opened, self._episode, self._gain = self.balance, rows.bit_length(), {}
@@ -307,6 +304,12 @@ class ExplorationBudget:
         funds = self.balance + self._won.get(rows.bit_length(), 0.0)
         return (self._token > 0 and self.measured(rows)
                 and funds >= max(need, self._marks.get(rows.bit_length(), (need,))[0]))
+
+    def prices_above(self, rows: int) -> bool:
+        """Should the open episode take price steps at ``rows`` requests? Once, where it verifies at more
+        requests than its price and the nospec model has not measured (drift.py: ``asks``)."""
+        return (self._episode is not None and self._token > 0 and rows > self._step_reqs
+                and not self.measured(rows) and self.drift.asks(self._step_reqs, rows, self.awake.share))
 
     def measured(self, rows: int) -> bool:
         """Have plain decode steps of about ``rows`` requests been measured lately?"""
@@ -386,10 +389,7 @@ def steps_saved(accepted: list[int], left: list[int | None] | None) -> float:
     the step itself. A batch runs until its longest request ends, and
     without new requests to take the places the others free (a closed batch:
     waves, an offline batch no larger than max_num_seqs), the drafts of
-    requests that end sooner save it little: at a few requests, where a step
-    costs about the same whatever the batch, one request that accepted every
-    draft while the rest accepted one or two made drafting steps look 1.7x
-    as productive as plain ones, and the wave took 1.5x as long. Lengths
+    requests that end sooner save it little (docs/controller.md). Lengths
     unknown, or the batch open (requests joined it: arrivals.py): the mean
     per request."""
     if not accepted:

@@ -170,15 +170,16 @@ class Dormancy:
         return not self.dormant and self._trial > 0
 
     def price_due(self, rows: int) -> bool:
-        """Should the trial take its explore skip and price steps now (gate.py)?
+        """Should the episode take an explore skip and price steps now (gate.py)?
         Once a trial, once it has drafted ``trial_price_at`` steps while the
         budget books it losing at ``rows`` requests: its price steps floor a
         price the machine left as it began (drift.py). A trial booked gaining
-        has nothing a higher price would change, and skips none."""
+        has nothing a higher price would change, and skips none. And once an
+        episode, at a batch above its price (budget.py: ``prices_above``)."""
         due = (self.exploring and not self._trial_priced and self._trial <= self._trial_steps - self._price_at
                and self.budget is not None and self.budget.losing(rows))
         self._trial_priced = self._trial_priced or due
-        return due
+        return due or (not self.dormant and self.budget is not None and self.budget.prices_above(rows))
 
     def gaining(self, rows: int) -> bool:
         """An episode is open that the budget measures gaining on no speculation at ``rows`` requests."""

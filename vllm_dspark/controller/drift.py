@@ -51,7 +51,13 @@ set in a fast spell, or one the machine left as the episode began (a 2x
 slow spell began with a c=1 trial there, whose steps then booked a loss
 against a price set before it, and the engine went plain while full K=3
 gained): so their median, less what the awake path costs over a plain
-step as probes measure it (awake.py), is also its ``floor``. A
+step as probes measure it (awake.py), is also its ``floor``. At more
+requests than the price's (arrivals overlapping under light load) the
+highest floor measured at up to as many requests prices a step (``above``,
+a step at more requests costs no less), and an episode takes price steps
+once at a batch size without one (``asks``): priced from above at the
+1-request price, steps at 2-3 requests that gained were booked as losses,
+and ended episodes that gained at one request. A
 shape's first ``drift_shape_steps // 2`` runs are its warm-up and stay out
 of its reference time for the factor (a first run took 11-21 ms among
 7-9 ms ones: costs.py). Times are in the pace's
@@ -62,6 +68,7 @@ factor is alike.
 
 import math
 from collections import deque
+from collections.abc import Callable
 from statistics import median
 
 from vllm_dspark.controller.clock import StepSample
@@ -86,6 +93,7 @@ class EpisodeDrift:
         # reqs -> tokens -> the episode's last verify decode steps of that shape, and their median
         self._verified: dict[int, dict[int, deque[float]]] = {}
         self._ceilings: dict[int, dict[int, float]] = {}
+        self._asked: set[int] = set()  # batch sizes this episode took price steps at above its price (asks)
 
     @property
     def factor(self) -> float:
@@ -101,6 +109,7 @@ class EpisodeDrift:
             self._restart(rows.bit_length())
         self._verified.clear()
         self._ceilings.clear()
+        self._asked.clear()
 
     def ceiling(self, reqs: int) -> float:
         """The most a plain decode step of ``reqs`` requests costs now: a
@@ -118,6 +127,26 @@ class EpisodeDrift:
         if awake_share is None or len(times) < self._min_priced:
             return 0.0
         return median(times) / (1.0 + awake_share)
+
+    def above(self, low: int, reqs: int, share: Callable[[int], float | None]) -> float:
+        """The least a plain decode step of ``reqs`` requests costs now,
+        where the price is of ``low`` requests: the highest ``floor`` this
+        episode measured at more than ``low`` and no more than ``reqs``
+        requests (a step at more requests costs no less), capped by the
+        ``ceiling`` at ``reqs``; 0 where none was measured. ``share``: the
+        awake share at a batch size (awake.py)."""
+        best = max((self.floor(r, share(r)) for r in self._verified if low < r <= reqs), default=0.0)
+        return min(best, self.ceiling(reqs))
+
+    def asks(self, low: int, reqs: int, share: Callable[[int], float | None]) -> bool:
+        """Should the episode take price steps at ``reqs`` requests, priced
+        at ``low``? Once an episode up to as many (an ask covers more
+        requests, as its floor does), and only where the awake share is
+        measured (a floor needs it)."""
+        if any(low < r <= reqs for r in self._asked) or share(reqs) is None or self.above(low, reqs, share) > 0:
+            return False
+        self._asked.add(reqs)
+        return True
 
     def _restart(self, rows: int | None) -> None:
         self._rows, self._anchor, self._seen, self._factor = rows, self._decode.observations, 0, 1.0

@@ -19,7 +19,8 @@ verify nor draft, which cap and floor the episode's no-spec price
 EPYC Zen 4 host was off by up to 45% for 2,000 steps). A trial, which
 drafts whatever the models say, takes an explore skip and its price steps
 where dormancy.py asks, whether the plain model is trusted or not: its
-verdict is the budget's, on that price.
+verdict is the budget's, on that price; so does an episode at a batch size
+above its price (budget.py).
 
 A verdict that drafting pays holds, unasked, for the next ``cruise_every``
 - 1 steps of the same batch (same requests, and the tokens its lengths
