@@ -549,7 +549,8 @@ def test_a_step_above_the_price_is_priced_by_the_episode_s_price_steps_there_gai
     price, never a gain); once, it takes them (price_due), and their median
     less the awake share there (the floor) prices it, gains and all, and
     every step up to more requests (a step at more requests costs no
-    less). Without the share measured there, it asks for none."""
+    less). Without the share measured there or at fewer requests, it asks
+    for none."""
     from collections import deque
 
     from vllm_dspark.controller.dormancy import Dormancy
@@ -562,8 +563,9 @@ def test_a_step_above_the_price_is_priced_by_the_episode_s_price_steps_there_gai
     d = Dormancy(NO_WAIT, 32, b)
     b.open(False, 1)
     d.wake()
-    assert not d.price_due(2)  # the awake share at two requests unmeasured: its floor could not stand
-    b.awake._shares[2] = deque([0.1] * TUNING.awake_probe_window)
+    b.awake._shares[3] = deque([0.2] * TUNING.awake_probe_window)
+    assert not d.price_due(2)  # no awake share at two requests or fewer: no floor could stand (not four's)
+    b.awake._shares[1] = deque([0.1] * TUNING.awake_probe_window)  # one request's stands in at two
     # 15 ms for 2 requests + 6 drafts, 4 accepted: 2 plain steps saved at the price.
     verify = StepSample(2, 8, True, 0.015, 0.004, 2, plain=False, draft_tokens=6, accepted=4)
     b.settle(verify)

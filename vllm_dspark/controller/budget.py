@@ -155,7 +155,7 @@ class ExplorationBudget:
                 # one, a step without speculation there costs no less than one at fewer requests, so
                 # that price charges it from above, never as a gain: it is older than the step, and
                 # noisy (docs/controller.md).
-                took, here = s.seconds + s.extra_seconds, self.drift.above(self._step_reqs, s.reqs, self.awake.share)
+                took, here = s.seconds + s.extra_seconds, self.drift.above(self._step_reqs, s.reqs, self.awake.share_near)
                 if here:
                     saved *= here / self._step
                     self._charge(here + saved, took - here - saved, s.reqs)
@@ -309,7 +309,7 @@ class ExplorationBudget:
         """Should the open episode take price steps at ``rows`` requests? Once, where it verifies at more
         requests than its price and the nospec model has not measured (drift.py: ``asks``)."""
         return (self._episode is not None and self._token > 0 and rows > self._step_reqs
-                and not self.measured(rows) and self.drift.asks(self._step_reqs, rows, self.awake.share))
+                and not self.measured(rows) and self.drift.asks(self._step_reqs, rows, self.awake.share_near))
 
     def measured(self, rows: int) -> bool:
         """Have plain decode steps of about ``rows`` requests been measured lately?"""
