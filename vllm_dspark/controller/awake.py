@@ -123,9 +123,11 @@ class AwakeProbes:
         below it measured (None: neither). Light arrivals rarely leave a
         dormant run at two requests to probe; from one to four requests the
         share stayed within 10-14% here, so one request's stands in."""
-        c = reqs.bit_length()
-        below = [k for k in self._shares if k <= c and self.share(1 << (k - 1)) is not None]
-        return self.share(1 << (max(below) - 1)) if below else None
+        for k in sorted((k for k in self._shares if k <= reqs.bit_length()), reverse=True):
+            share = self.share(1 << (k - 1))
+            if share is not None:
+                return share
+        return None
 
     def state(self) -> dict:
         """Per batch size (its class's fewest requests): the share now and the probes behind it."""
