@@ -704,6 +704,45 @@ def test_a_gain_at_one_batch_size_funds_no_loss_at_another():
     assert not b.spent(0.0, 1)  # and at one request, where it gained, so would this episode
 
 
+def test_a_batch_size_where_an_episode_lost_a_reserve_ends_the_next_one_there_on_a_few_steps():
+    """Waves of four with tails of one request: an episode opened at a
+    tail on what one request gained drafts into the next wave, where it loses
+    a reserve (8 steps' worth at four requests here: 9-21 drafting steps a
+    wave on AMD EPYC, native bf16). That marks four requests: until the loss
+    is earned back, the next such episode ends on a net loss over
+    ``marked_steps`` priced steps there, not on a reserve; once earned back, a
+    reserve again. The batch size an episode opens at keeps its own rules."""
+    b = _budget()
+    b.settle(_plain())
+    b.open(False, 1)
+    for _ in range(200):
+        b.settle(StepSample(1, 8, True, 0.006, 0.001, 1, plain=False, draft_tokens=7, accepted=7))
+    losing = StepSample(4, 32, True, STEP + 0.007, 0.004, 4, plain=False, draft_tokens=28, accepted=0)
+
+    def losing_steps_at_four() -> int:
+        steps = 0
+        while not b.spent(0.0, 4):
+            b.settle(losing)
+            steps += 1
+        b.close()
+        return steps
+
+    full = math.floor(TUNING.episode_tokens * STEP / 4 / 0.007) + 1
+    assert losing_steps_at_four() == full  # nothing lost there before: a reserve
+    b.open(False, 1)
+    assert losing_steps_at_four() == NO_WAIT.marked_steps
+    assert not b.spent(0.0, 1) and b.affords_episode(False, 1)  # the gain at one request still funds one there
+    while b.balance < b._marks[3][0]:  # the loss at four requests earned back
+        b.settle(_plain(4))
+    b.open(False, 1)
+    assert losing_steps_at_four() == full
+    # At the batch size it opened at, an episode loses a reserve as before, mark or not.
+    b.settle(_plain(4))
+    b._marks[3] = (b.balance + 1.0, 1)
+    b.open(True, 4)
+    assert losing_steps_at_four() > NO_WAIT.marked_steps
+
+
 def test_a_reserve_granted_at_one_request_funds_no_context_building_at_more():
     """The balance holds one request's reserve (32 decoded tokens: 32 steps);
     then the batch holds 8 requests, none with drafter context, and an

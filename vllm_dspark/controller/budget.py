@@ -40,7 +40,10 @@ each further loss in a row there doubles what must be earned first, up to a
 full balance. It
 ends once it has lost a reserve (overall, or at the batch size of the step
 beyond what episodes there gained: a gain banked at one request must not
-fund a loss at four), plus, while its requests' drafter context
+fund a loss at four; where an episode lost a reserve at a batch size it did
+not open at, the next one ends there on a net loss over ``marked_steps``
+priced steps until that is earned back: a wave's tail must not fund a reserve
+lost in each next wave), plus, while its requests' drafter context
 builds up, a credit of what it opened with, up to a reserve at its batch
 size (the cap where the models were sure), scaled by the share of the
 batch still without context; meanwhile a
@@ -52,17 +55,11 @@ the other models believe. A step verifying drafts with prompt tokens the
 nospec model has not seen lately, or at fewer requests, is not priced (its
 bound is from below); enough of them in a row end the episode, so plain
 steps measure it; none starts at a batch size the nospec model has not
-measured. Lately: within
-``budget_price_age_steps`` speculating steps of a plain step (the machine
-drifts), so a long episode ends once its price is that old, and plain steps
-measure it anew; what the models saw before fades meanwhile (cost_model.py,
-``fade``), so those few steps set the price. Within that age the machine's
-drift is divided out: the nospec models learn in the units of a canary timed
-every few steps, and a price is in seconds at its pace now (pace.py). The
-canary is not trusted everywhere, so within an episode the price follows
-its verify steps down as they speed up, is no more than they or its price
-steps take (decode steps without drafts: gate.py), nor less than the price
-steps less the awake path's share over a plain step (drift.py, awake.py).
+measured. Lately: within ``budget_price_age_steps`` speculating steps of a
+plain step (the machine drifts: a long episode ends once its price is that
+old, and plain steps measure it anew). Within that age a price is at the
+machine's pace now (pace.py), and within an episode bounded by what its
+verify and price steps take (drift.py, awake.py).
 
 What an episode measured is kept per batch size (a power of two): it is
 gaining at the batch size of this step only (a gain banked at one request
@@ -108,7 +105,7 @@ class ExplorationBudget:
         self._credit = 0.0  # plain steps of debt the episode may run into while building context
         self._opened = 0.0  # the balance the last episode opened with
         self._episode: int | None = None  # the open episode's batch-size class (None: none open)
-        self._min_gain_steps = t.trial_steps
+        self._min_gain_steps, self._marked_steps = t.trial_steps, t.marked_steps
         # The open episode's excess and priced speculating steps, per batch-size class.
         self._gain: dict[int, tuple[float, int]] = {}
         self._won: dict[int, float] = {}  # batch-size class -> seconds its last measured episode gained
@@ -150,11 +147,8 @@ class ExplorationBudget:
         if not (self._token and decodes and (not prompts or self._fresh(nospec, s.reqs, s.tokens - s.draft_tokens))):
             verified = s.draft_tokens > 0
             if self._token and verified and not prompts and s.reqs > self._step_reqs:
-                # A verifying decode step at a larger batch than the last priced: priced at the floor
-                # the episode's price steps measured at up to as many requests, gains and all; without
-                # one, a step without speculation there costs no less than one at fewer requests, so
-                # that price charges it from above, never as a gain: it is older than the step, and
-                # noisy (docs/controller.md).
+                # Above the last price: at the floor the episode's price steps measured up to here, gains
+                # and all; without one, from above, never as a gain (that price is older, and noisy).
                 took, here = s.seconds + s.extra_seconds, self.drift.above(self._step_reqs, s.reqs, self.awake.share_near)
                 if here:
                     saved *= here / self._step
@@ -165,11 +159,7 @@ class ExplorationBudget:
                 return
             self._unpriced += verified  # what the target spent on drafts is unknown: a loss may hide there
             if self._token and (prompts or s.reqs < self._step_reqs or not verified):
-                # No baseline at this step's batch, but a bound: a prompt-heavy step's drafter time
-                # (writing the prompts' context) is speculation's, as is a step's that verified nothing
-                # (its target ran a plain step's tokens), and a decode step at fewer requests than the
-                # last priced costs no more than one there. Less what its accepted drafts saved, charged
-                # from below, never as a gain.
+                # No baseline here, but a bound from below, never a gain (the module docstring).
                 bounds = [s.draft_seconds] if prompts or not verified else []
                 if not prompts and s.reqs < self._step_reqs:
                     bounds.append(s.seconds - self._step)
@@ -266,14 +256,15 @@ class ExplorationBudget:
         ``trial_steps`` priced steps, or where earlier episodes gained, its
         result adds to what they gained (up to the cap); a batch size with a
         gain left is remembered as gaining. One that lost, or could not be
-        priced, where nothing is gained marks its batch size: the next
-        episode there waits until the loss is earned back, twice that after
-        two in a row, and so on. One that gained and then went unpriced (its
-        price grew old) is due again once plain steps have measured it afresh."""
+        priced, where nothing is gained marks its batch size (as does a
+        reserve lost at another): the next episode there waits until the loss
+        is earned back, twice that after two in a row, and so on."""
         for rows_class, (excess, steps) in self._gain.items():
+            fund = self._won.get(rows_class, 0.0) - excess
+            if rows_class != self._episode and -fund > self._reserve_seconds:
+                self._mark(rows_class, self.balance - fund, -fund)  # lost a reserve where it did not open
             if steps < self._min_gain_steps and rows_class not in self._won:
                 continue  # too short to measure, and no gain to draw on
-            fund = self._won.get(rows_class, 0.0) - excess
             if fund > 0:
                 self._won[rows_class] = min(fund, self._cap_seconds)
             else:
@@ -282,12 +273,20 @@ class ExplorationBudget:
         if (unpriced or self.balance < self._opened) and self._episode not in self._won:
             # An unpriced episode measured nothing: count it as a reserve lost.
             lost = max(self._opened - self.balance, self._reserve_seconds if unpriced else 0.0)
-            _, losses = self._marks.get(self._episode, (0.0, 0))
-            need = min(self._opened + lost * (2 ** losses - 1), self._cap_seconds)
-            self._marks[self._episode] = (need, losses + 1)
+            self._mark(self._episode, self._opened, lost)
         else:
             self._marks.pop(self._episode, None)
         self._episode = None
+
+    def _mark(self, rows_class: int, before: float, lost: float) -> None:
+        """``lost`` at ``rows_class`` from a balance of ``before``: regain that, more for each loss in a row."""
+        losses = self._marks.get(rows_class, (0.0, 0))[1]
+        self._marks[rows_class] = (min(before + lost * (2 ** losses - 1), self._cap_seconds), losses + 1)
+
+    def _unearned(self, rows_class: int | None) -> bool:
+        """Did the open episode start before the last loss at ``rows_class`` (not its own) was earned back?"""
+        need = self._marks.get(rows_class, (-math.inf,))[0]
+        return rows_class != self._episode and self._opened + self._won.get(rows_class, 0.0) < need
 
     def affords_episode(self, pays: bool, rows: int) -> bool:
         """Can an episode start at ``rows`` requests? Only where the nospec
@@ -296,10 +295,9 @@ class ExplorationBudget:
         the models say drafting pays on any balance not in debt, else on the
         reserve; either way only once what the last episode at about this
         batch size lost has been earned back. What the last measured episode
-        there gained counts toward both: an episode that gained over its run
-        and then lost a reserve in a row (a request the drafter cannot
-        follow) is due again at once, not after its loss is earned back at
-        the share."""
+        there gained counts toward both: one that gained and then lost a
+        reserve in a row (a request the drafter cannot follow) is due again
+        at once."""
         need = 0.0 if pays else self._reserve_seconds
         funds = self.balance + self._won.get(rows.bit_length(), 0.0)
         return (self._token > 0 and self.measured(rows)
@@ -361,14 +359,16 @@ class ExplorationBudget:
     def spent(self, building: float, rows: int | None = None) -> bool:
         """End the speculating episode? It has no room left, too many steps
         in a row could not be priced, or at about ``rows`` requests it has
-        lost a reserve and its credit beyond what episodes there gained: a
-        gain banked at one batch size must not fund a loss at another."""
+        lost a reserve and its credit beyond what episodes there gained (a
+        gain banked at one batch size must not fund a loss at another), or
+        anything, where a loss is still to earn back (``_unearned``)."""
         if self._token <= 0:
             return False
         rows_class = rows.bit_length() if rows else None
-        lost_here = self._gain.get(rows_class, (0.0, 0))[0] - self._won.get(rows_class, 0.0)
-        return (self._room(building) < 0 or self._unpriced >= self._max_unpriced
-                or lost_here > self._allowance(building))
+        excess, steps = self._gain.get(rows_class, (0.0, 0))
+        lost_here = excess - self._won.get(rows_class, 0.0)
+        allowance = 0.0 if self._unearned(rows_class) and steps >= self._marked_steps else self._allowance(building)
+        return self._room(building) < 0 or self._unpriced >= self._max_unpriced or lost_here > allowance
 
     def draft_tokens(self, building: float) -> int | None:
         """The most drafts one step may verify: the episode's room in decoded

@@ -87,6 +87,7 @@ class ControllerTuning:
     price_warmup_steps: int = 256  # the most plain steps a fresh engine's first requests keep out of the nospec models
     budget_unpriced_steps: int = 16  # speculating steps in a row at an unmeasured batch size that end an episode
     budget_price_age_steps: int = 2048  # speculating steps a no-spec price holds: longer risks drift, shorter costs context
+    marked_steps: int = 4  # priced steps at a batch size where an episode lost a reserve unearned back, before a net loss there ends the next: fewer ends sooner, on noisier evidence
     trial_steps: int = 32  # drafting steps an exploring episode takes whatever the models say: what it learns from
     # Machine pace (pace.py)
     pace_every_steps: int = 8  # the fewest steps between canaries: fewer follows drift sooner, costs more
