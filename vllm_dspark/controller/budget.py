@@ -37,29 +37,27 @@ earned back (the models may be wrong at one load and right at another);
 that episode is due then, whatever the models say (their verdict rests on
 the lost episode's few blocks, and nothing updates it while dormant), and
 each further loss in a row there doubles what must be earned first, up to a
-full balance. It
-ends once it has lost a reserve (overall, or at the batch size of the step
-beyond what episodes there gained: a gain banked at one request must not
-fund a loss at four; where an episode lost a reserve at a batch size it did
-not open at, the next one ends there on a net loss over ``marked_steps``
-priced steps until that is earned back: a wave's tail must not fund a reserve
-lost in each next wave), plus, while its requests' drafter context
-builds up, a credit of what it opened with, up to a reserve at its batch
-size (the cap where the models were sure), scaled by the share of the
-batch still without context; meanwhile a
-step verifies at most as many drafts as that room is worth in decoded tokens
-(a verified token costs no more than a decoded one). So over any stretch the
+full balance. It ends once it has lost a reserve (overall, or at the batch
+size of the step beyond what episodes there gained: a gain banked at one
+request must not fund a loss at four; where an episode lost a reserve at a
+batch size it did not open at, the next one ends there on a net loss over
+``marked_steps`` priced steps until that is earned back: a wave's tail must
+not fund a reserve lost in each next wave), plus, while its requests'
+drafter context builds up, a credit of what it opened with, up to a reserve
+at its batch size (the cap where the models were sure), scaled by the share
+of the batch still without context; meanwhile a step verifies at most as
+many drafts as that room is worth in decoded tokens (a verified token costs
+no more than a decoded one). So over any stretch the
 engine gives up about ``share`` of its time, plus a reserve and a credit per
 batch size and one step's drafting, plus the nospec model's error, whatever
 the other models believe. A step verifying drafts with prompt tokens the
 nospec model has not seen lately, or at fewer requests, is not priced (its
-bound is from below); enough of them in a row end the episode, so plain
-steps measure it; none starts at a batch size the nospec model has not
-measured. Lately: within ``budget_price_age_steps`` speculating steps of a
-plain step (the machine drifts: a long episode ends once its price is that
-old, and plain steps measure it anew). Within that age a price is at the
-machine's pace now (pace.py), and within an episode bounded by what its
-verify and price steps take (drift.py, awake.py).
+bound is from below); enough of them in a row end the episode, so plain steps
+measure it; none starts at a batch size the nospec model has not measured.
+Lately: within ``budget_price_age_steps`` speculating steps of a plain step
+(the machine drifts: a long episode ends once its price is that old). Within
+that age a price is at the machine's pace now (pace.py), and within an
+episode bounded by what its verify and price steps take (drift.py, awake.py).
 
 What an episode measured is kept per batch size (a power of two): it is
 gaining at the batch size of this step only (a gain banked at one request
@@ -258,7 +256,9 @@ class ExplorationBudget:
         gain left is remembered as gaining. One that lost, or could not be
         priced, where nothing is gained marks its batch size (as does a
         reserve lost at another): the next episode there waits until the loss
-        is earned back, twice that after two in a row, and so on."""
+        is earned back, twice that after two in a row, and so on. One that
+        gained, then went unpriced (its price grew old), is due again once
+        plain steps have measured it afresh."""
         for rows_class, (excess, steps) in self._gain.items():
             fund = self._won.get(rows_class, 0.0) - excess
             if rows_class != self._episode and -fund > self._reserve_seconds:
