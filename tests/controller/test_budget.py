@@ -1287,3 +1287,26 @@ def test_a_trial_s_price_steps_floor_a_price_the_machine_left_as_it_began(seed):
     for price_steps, share in ((0, 0.03), (TUNING.price_steps, None)):
         _, booked, _ = _slow_spell_trial(price_steps, seed, share)
         assert booked > 0, (seed, price_steps, share, booked)
+
+
+def test_a_stall_is_charged_no_more_than_the_cost_models_stall_bound():
+    """A speculating step that took more than ``outlier_ratio`` times what
+    the cost models predicted for it is a stall (a GC pause, the OS's): the
+    budget charges it as if it took that bound (StepSample.at_most), so one
+    stall cannot cost more than a reserve. A verify step of 3 drafts, 1
+    accepted (its baseline two plain steps), predicted at one step: at 12 ms
+    it pays its 2 ms excess, stalled for 1 s no more than the bound allows."""
+    from vllm_dspark.config import DSparkKnobs
+    from vllm_dspark.controller.controller import DSparkController
+
+    def charged(seconds: float) -> float:
+        ctl = DSparkController(DSparkKnobs(persist_cost_model=False), block_len=4, tuning=NO_WAIT)
+        for model in (ctl.costs.verify, ctl.costs.plain, ctl.costs.nospec, ctl.costs.decode):
+            model.pin(CostParams(STEP, 0.0, 0.0), "test")
+        ctl._record(_plain())
+        assert ctl.budget.ready and ctl.budget.price == {"seconds": STEP, "requests": 1}
+        ctl._record(StepSample(1, 4, True, seconds, 0.0, 0, draft_tokens=3, accepted=1))
+        return ctl.budget.excess
+
+    assert charged(0.012) == pytest.approx(0.012 - 2 * STEP)
+    assert charged(1.0) == pytest.approx(NO_WAIT.cost.outlier_ratio * STEP - 2 * STEP)

@@ -209,7 +209,7 @@ class DSparkController:
             return
         if sample.recorded:  # a shape's first run is the machine's warm-up: no model of that shape learns it (costs.py)
             predicted = self.costs.observe(sample, self.costs.first_run(sample))
-            self.budget.settle(sample)
+            self.budget.settle(sample.at_most(self.tuning.cost.outlier_ratio * predicted))  # a stall's excess: clock.py
             self.telemetry.recorded(sample, predicted, self.steps, self.costs)
         else:  # alike dormant plain steps: counted, and what they took earned
             self.budget.earn(sample.seconds)
