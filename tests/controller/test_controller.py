@@ -868,22 +868,18 @@ def test_blocks_that_verify_nothing_stay_out_of_the_skip_rule_window():
     assert surv[0] > 0.9
 
 
-def _depth_ctl(walk_s: float, draft_s: float = 1e-3, row_s: float = 0.0, **knobs):
+def _depth_ctl(walk_s: float):
     """An adaptive controller at R=1 whose window says positions 1-2 pass
     nearly always (0.98 each) and 3-4 half the time (half of each block is
     accepted: survivals scaled to about 0.73, 0.72, 0.36, 0.18), on known
-    costs: a 5.2 ms step, 0.1 ms per verified token, ``draft_s`` of drafting
-    a whole block (``row_s`` of it a query position) plus ``walk_s`` per
-    walked position."""
-    ctl = _ctl(calibration=False, **knobs)
+    costs: a 5.2 ms step, 0.1 ms per verified token, 1 ms of drafting plus
+    ``walk_s`` per walked position."""
+    ctl = _ctl(calibration=False)
     linear = CostParams(5e-3, 1e-4, 1e-4)
     ctl.costs.verify.pin(linear, "test")
     ctl.costs.plain.pin(linear, "test")
-    if row_s:  # a slope in the block's query rows, pinned: learned, a ridge pulls it toward its prior
-        ctl.costs.draft.pin(CostParams(draft_s - 4 * row_s, 0.0, row_s), "test")
-        ctl.costs.walk.pin(CostParams(walk_s, 0.0, 0.0), "test")
     for _ in range(TUNING.cost.min_observations):
-        ctl.costs.draft.observe(1, 4, draft_s)
+        ctl.costs.draft.observe(1, 4, 1e-3)
         ctl.costs.walk.observe(1, 0, walk_s)
     logits = torch.tensor([[4.0, 4.0, 0.0, 0.0]])
     for _ in range(50):
@@ -893,14 +889,12 @@ def _depth_ctl(walk_s: float, draft_s: float = 1e-3, row_s: float = 0.0, **knobs
     return ctl, logits
 
 
-@pytest.mark.parametrize(("walk_s", "depth"), [(1.5e-3, 2), (0.8e-3, 3), (1e-6, 4)])
+@pytest.mark.parametrize(("walk_s", "depth"), [(1.5e-3, 3), (1e-6, 4)])
 def test_walk_depth_is_where_another_position_stops_paying(walk_s, depth):
-    """A position is walked when it lowers the step's time per token: at
-    0.8 ms a position, position 4 (0.18 tokens for 0.9 ms: 5 ms a token,
-    against the 3.2 ms of a step 3 deep) is not, position 3 (0.36 for
-    0.9 ms) is; at 1.5 ms position 3 (1.6 ms: 4.4 ms a token against 3.8)
-    is not either, though it saves the step 0.3 ms; when walking costs
-    nothing, 4 is walked too. Lengths then stop at the depth."""
+    """A position is walked when what it adds is worth its walk and its
+    verification: at 1.5 ms a position, position 4 (0.18 tokens, worth
+    0.9 ms) is not, position 3 (0.36, 1.9 ms) is; when walking costs
+    nothing, 4 is too. Lengths then stop at the depth."""
     ctl, logits = _depth_ctl(walk_s)
     plan = ctl.plan(_Requests(["a"]))
     assert plan.mode == "draft" and plan.depth == depth
@@ -910,25 +904,12 @@ def test_walk_depth_is_where_another_position_stops_paying(walk_s, depth):
     assert ctl.telemetry.totals.depth_hist[depth] == before[depth] + 1
 
 
-@pytest.mark.parametrize(("sized", "depth"), [(True, 3), (False, 4)])
-def test_a_shallower_walk_is_priced_with_the_query_rows_it_saves(sized, depth):
-    """Drafting a block costs 3 ms, 0.6 ms of it per query position, and a
-    walked position 0.2 ms. With blocks sized to the walk (depth_sized_block)
-    a position costs 0.8 ms and position 4 (0.18 tokens for 0.9 ms with its
-    verification) does not lower the step's time per token; with K-position
-    blocks only its walk is saved, 0.3 ms in all, and it does."""
-    ctl, _ = _depth_ctl(2e-4, draft_s=3e-3, row_s=6e-4, depth_sized_block=sized)
-    assert ctl.costs.draft_seconds(1, 4) - ctl.costs.draft_seconds(1, 3) == pytest.approx(
-        8e-4 if sized else 2e-4, rel=0.1)
-    assert ctl.plan(_Requests(["a"])) == ("draft", depth, frozenset())
-
-
 def test_a_shallow_depth_walks_a_whole_block_when_the_last_is_stale():
     """Positions past a shallow walk are measured only by whole walks
     (survival.py): once the newest whole block is older than a quarter of
     the window's half-life, the next drafting step walks all K positions,
     and the one after it the depth the gate chose again."""
-    ctl, logits = _depth_ctl(0.8e-3)
+    ctl, logits = _depth_ctl(1.5e-3)
     assert ctl.plan(_Requests(["a"])).depth == 3
     ctl.steps += int(TUNING.survival.half_life_steps)
     assert ctl.plan(_Requests(["a"])).depth == 4

@@ -63,32 +63,27 @@ class Assessment:
         # What the workload made an accepted draft worth (acceptance.py); a
         # user's pinned curve decides alone, as its margin does (costs.py).
         self._value = costs.token_value(view.coming(rows)) * (1.0 if costs.alone else worth)
-        # A shallower walk saves its positions' walk and, with depth-sized blocks, their query rows.
         self._shallow = costs.walk_priced()
-        self._drafts = [costs.draft_seconds(rows, d) for d in range(1, k + 1)] if self._shallow else []
+        self._walk = costs.walk.params.predict(rows, 0) if self._shallow else 0.0
 
     def best(self, counts: list[int] | None = None) -> Verdict:
-        """The depth that saves the most per token the step yields (ties: the
-        deeper walk, more to learn from): a run's tokens are given, so its
-        time is their count times a step's time per token, and a deeper walk
-        that saves more a step can cost more per token. The levels admitted
-        at depth K are cut at each depth: a shallower walk makes the step
-        cheaper, which would admit a level less only where it barely pays
-        either way. ``counts[j]`` of the requests may verify position j
-        (default: all)."""
+        """The depth that saves the most (ties: the deeper walk, more to learn
+        from). The levels admitted at depth K are cut at each depth: a
+        shallower walk makes the step cheaper, which would admit a level less
+        only where it barely pays either way. ``counts[j]`` of the requests
+        may verify position j (default: all)."""
         k, base = self.k, self._base
         taken = admitted_levels(self._levels, self.rows, base + self._draft_k, self._per_token, *self._limits, counts)
-        best, score, n, gain = None, -math.inf, 0, 0.0
+        best, n, gain = None, 0, 0.0
         for depth in range(1, k + 1):
             if depth <= len(taken):
                 take, level_surv = taken[depth - 1]
                 n, gain = n + take, gain + take * level_surv
             if depth == k or self._shallow:
-                draft = self._drafts[depth - 1] if self._shallow else self._draft_k
-                spend = base - self.plain + draft + self._per_token * n
+                spend = base - self.plain + self._draft_k - self._walk * (k - depth) + self._per_token * n
                 net = gain * self._value - spend
-                if net / (self.rows + gain) >= score:
-                    best, score = Verdict(net, depth, spend), net / (self.rows + gain)
+                if best is None or net >= best.net:
+                    best = Verdict(net, depth, spend)
         return best
 
 
