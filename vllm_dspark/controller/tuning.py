@@ -18,7 +18,7 @@ class CostModelTuning:
     prior: tuple[float, float, float] = (5e-3, 1e-4, 0.0)  # t0, t_req, t_tok (s) before any step: verifying is free
     prior_weight: float = 0.01  # ridge pull toward the prior, in observations per coefficient
     feature_scale: tuple[float, float, float] = (1.0, 8.0, 64.0)  # features [1, R/8, B/64]: what the ridge resolves
-    outlier_ratio: float = 4.0  # a step this many times its prediction is a stall: scored, not fitted
+    outlier_ratio: float = 4.0  # a step this many times its prediction is a stall: scored, not fitted, charged that bound
     min_observations: int = 20  # a model is trusted (and screened for stalls) after this many steps
     error_window: int = 500  # steps the reported prediction error covers
     refit_warmup: int = 64  # refit after every step while the steps seen weigh less than this (decayed)...
