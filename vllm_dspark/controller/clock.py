@@ -34,15 +34,13 @@ class StepSample(NamedTuple):
     recorded: bool = True  # goes into the cost models (else only counted, and earns the budget)
 
     def at_most(self, seconds: float) -> "StepSample":
-        """The step as the exploration budget charges it: no longer than
+        """The step as the exploration budget books it: no longer than
         ``seconds``, the cost models' stall bound (``outlier_ratio`` times
         their prediction for it), cut from its drafting part first. A stall
         (a GC pause, the OS's) would have hit a step without speculation as
-        well; charged whole, one of 0.39 s on a fresh engine's first drafting
-        step (AMD EPYC Zen 4, fp32, c=1) cost more than a reserve, and the
-        engine ran 9,342 steps plain before it had earned that back, where
-        drafting ran 1.1x faster. A step that is always this slow still pays
-        the bound on every step."""
+        well, and charged whole it can cost more than a reserve
+        (docs/tuning.md); a step that is always this slow still pays the
+        bound on every step."""
         cut = self.seconds - seconds
         return self if cut <= 0 else self._replace(seconds=seconds, draft_seconds=max(self.draft_seconds - cut, 0.0))
 
